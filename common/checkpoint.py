@@ -1,0 +1,299 @@
+"""The handoff checkpoint: what the trainer writes and the server loads.
+
+A directory that transformers can also load unchanged:
+    config.json                        HF-compatible config (architectures, model_type, ...)
+    model.safetensors                  or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+    tokenizer.json, tokenizer_config.json
+    baton.json                         what produced it: step, tokens seen, layout, dtype, sha256s
+
+Writes are atomic: everything goes to a hidden temporary sibling, is fsynced, and is swapped into
+place with one rename, so a crash mid-save leaves the previous checkpoint intact. Tensors are
+safetensors only; nothing is ever unpickled. One writer per checkpoint path is assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from baton.common.config import ModelConfig
+from baton.common.hf import config_from_hf, config_to_hf
+from baton.common.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+METADATA_FILE = "baton.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing, incomplete or does not match its config."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    model: CausalLM
+    config: ModelConfig
+    metadata: dict[str, Any]
+    path: Path
+    tokenizer_path: Path | None = None
+
+
+@dataclass
+class HandoffMetadata:
+    """Provenance recorded in baton.json."""
+
+    producer: str = "baton"
+    step: int | None = None
+    tokens_seen: int | None = None
+    parallel_layout: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------- atomic writes
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two existing paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling to fill; on success it replaces `target` in one step.
+
+    If the body raises (or the process dies), `target` is untouched; the leftover temporary
+    directory is hidden and removed by the next save to the same target.
+    """
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for stale in target.parent.glob(f".{target.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync_path(f)
+        _fsync_path(tmp)
+        if target.exists():
+            if not _exchange(tmp, target):  # fall back: move the old one aside, then rename
+                aside = target.parent / f".{target.name}.tmp-old-{uuid.uuid4().hex[:8]}"
+                os.rename(target, aside)
+                os.rename(tmp, target)
+                tmp = aside
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.rename(tmp, target)
+        _fsync_path(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------- writing
+def _shard(state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_weights(directory: Path, state_dict: dict[str, torch.Tensor], max_shard_bytes: int) -> list[str]:
+    """Write safetensors in HF's layout (one file, or shards + index); return the file names."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    shards = _shard(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, directory / SINGLE_FILE, metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / fname, metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names + [INDEX_FILE]
+
+
+def save_checkpoint(out_dir: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+                    tokenizer: Any = None, tokenizer_dir: str | Path | None = None,
+                    metadata: HandoffMetadata | None = None,
+                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write a handoff checkpoint atomically. `tokenizer` is anything with `.save(dir)`;
+    `tokenizer_dir` is a directory whose tokenizer files are copied instead."""
+    validate_state_dict(state_dict, config)
+    metadata = metadata or HandoffMetadata()
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+        files = write_weights(tmp, state_dict, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        elif tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).exists():
+                    shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
+        files += [n for n in TOKENIZER_FILES if (tmp / n).exists()] + ["config.json"]
+        meta = {
+            "format": "baton-checkpoint",
+            "format_version": FORMAT_VERSION,
+            "producer": metadata.producer,
+            "created_unix": time.time(),
+            "step": metadata.step,
+            "tokens_seen": metadata.tokens_seen,
+            "parallel_layout": metadata.parallel_layout,
+            "dtype": config.torch_dtype,
+            "num_parameters": sum(t.numel() for t in state_dict.values()),
+            "sha256": {name: sha256_file(tmp / name) for name in sorted(files)},
+            **metadata.extra,
+        }
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    log.info("saved checkpoint to %s (%d tensors, %s)", out_dir, len(state_dict), config.torch_dtype)
+    return out_dir
+
+
+def save_model(out_dir: str | Path, model: CausalLM, **kwargs: Any) -> Path:
+    return save_checkpoint(out_dir, model.config, model.checkpoint_state_dict(), **kwargs)
+
+
+# ------------------------------------------------------------------------------------- reading
+def read_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{directory} is not a checkpoint: it has no config.json")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+    return config_from_hf(raw)
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    d = Path(directory)
+    if (d / INDEX_FILE).is_file():
+        index = json.loads((d / INDEX_FILE).read_text())
+        return [d / f for f in sorted(set(index["weight_map"].values()))]
+    if (d / SINGLE_FILE).is_file():
+        return [d / SINGLE_FILE]
+    pickled = sorted(p.name for p in d.glob("*.bin")) + sorted(p.name for p in d.glob("*.pt"))
+    hint = f" (found {pickled[0]}; pickled weights are never loaded: re-save with safetensors)" if pickled else ""
+    raise CheckpointError(f"{d} has no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files(directory):
+        if not path.is_file():
+            raise CheckpointError(f"weight shard {path.name} listed in the index is missing from {directory}")
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                state[name] = f.get_tensor(name)
+    return state
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    with torch.device("meta"):
+        model = CausalLM(config).to(config.dtype)
+    return {k: (v.shape, v.dtype) for k, v in model.checkpoint_state_dict().items()}
+
+
+def validate_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Raise CheckpointError naming the first tensor that does not fit the config."""
+    expected = expected_shapes(config)
+    for name, (shape, dtype) in expected.items():
+        if name not in state_dict:
+            raise CheckpointError(f"missing tensor {name!r} (expected shape {tuple(shape)})")
+        t = state_dict[name]
+        if t.shape != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {tuple(shape)}")
+        if t.dtype != dtype:
+            raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, config says {config.torch_dtype}")
+    unexpected = sorted(set(state_dict) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not in the model described by the config")
+
+
+def verify_hashes(directory: str | Path) -> None:
+    d = Path(directory)
+    meta = read_metadata(d)
+    for name, digest in meta.get("sha256", {}).items():
+        if not (d / name).is_file():
+            raise CheckpointError(f"{d}: file {name} recorded in {METADATA_FILE} is missing")
+        if sha256_file(d / name) != digest:
+            raise CheckpointError(f"{d}: {name} does not match its sha256 in {METADATA_FILE} (corrupted or edited)")
+
+
+def read_metadata(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / METADATA_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                    verify: bool = True) -> LoadedCheckpoint:
+    """Load a handoff checkpoint (or any HF Llama/Mistral/Qwen2/Mixtral safetensors directory)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise CheckpointError(f"checkpoint directory {d} does not exist")
+    config = read_config(d)
+    if verify:
+        verify_hashes(d)
+    state = load_state_dict(d)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    validate_state_dict(state, config)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.load_state_dict(state, strict=False, assign=True)  # lm_head is tied when missing
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype or config.dtype)
+    tok = d / "tokenizer.json"
+    return LoadedCheckpoint(model, config, read_metadata(d), d, tok if tok.is_file() else None)
+

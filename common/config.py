@@ -1,0 +1,211 @@
+"""Model configuration shared by the trainer and the server.
+
+Field names follow Hugging Face's Llama/Mistral/Qwen2/Mixtral configs so that a config.json
+written by either side reads naturally in the other. Validation happens on construction, so a
+bad config fails before any weights are built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ConfigError(ValueError):
+    """A model configuration that cannot describe a working model."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None: same as num_attention_heads (MHA); 1 is MQA
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear"|"llama3", "factor": ...}
+    rms_norm_eps: float = 1e-6
+    sliding_window: int | None = None  # Mistral-style window, in tokens (incl. the current one)
+    layer_types: list[str] | None = None  # per layer "full_attention"/"sliding_attention"
+    attention_bias: bool = False  # Llama semantics: bias on q, k, v and o projections
+    qkv_bias: bool = False  # Qwen2 semantics: bias on q, k, v only
+    tie_word_embeddings: bool = False
+    num_local_experts: int = 0  # 0: dense SwiGLU MLP; >0: Mixtral-style top-k routed MoE
+    num_experts_per_tok: int = 2
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str = "float32"
+    model_type: str | None = None  # None: inferred from the features (see infer_model_type)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads > 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type is None:
+            self.model_type = self.infer_model_type()
+        self.validate()
+
+    # ----------------------------------------------------------------------------- validation
+    def infer_model_type(self) -> str:
+        """The HF family that can represent these features (used when exporting)."""
+        if self.num_local_experts > 0:
+            return "mixtral"
+        if self.qkv_bias:
+            return "qwen2"
+        if self.sliding_window is not None:
+            return "mistral"
+        return "llama"
+
+    def validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"invalid model config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                 f"{name} must be a positive integer, got {value!r}")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+             f"num_key_value_heads ({self.num_key_value_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
+        need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        need(self.hidden_act == "silu", f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
+        need(self.torch_dtype in DTYPES, f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
+        need(self.model_type in MODEL_TYPES, f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
+        if self.sliding_window is not None:
+            need(isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                 f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            need(len(self.layer_types) == self.num_hidden_layers,
+                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            need(not bad, f"layer_types entries must be in {LAYER_TYPES}, got {bad[0]!r}" if bad else "")
+            need(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                 "layer_types asks for sliding_attention but sliding_window is not set")
+        if self.num_local_experts > 0:
+            need(0 < self.num_experts_per_tok <= self.num_local_experts,
+                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
+                 f"({self.num_local_experts})")
+        need(not (self.attention_bias and self.qkv_bias),
+             "set attention_bias (Llama: q,k,v,o) or qkv_bias (Qwen2: q,k,v), not both")
+        self._validate_rope_scaling(need)
+        self._validate_family(need)
+
+    def _validate_rope_scaling(self, need) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        need(isinstance(rs, dict), f"rope_scaling must be a mapping, got {rs!r}")
+        rope_type = rs.get("rope_type", rs.get("type", "default"))
+        need(rope_type in ROPE_TYPES, f"rope_scaling type {rope_type!r} is not supported (use one of {ROPE_TYPES})")
+        if rope_type in ("linear", "llama3"):
+            need(float(rs.get("factor", 0)) > 0, "rope_scaling.factor must be positive")
+        if rope_type == "llama3":
+            for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                need(key in rs, f"llama3 rope_scaling needs {key!r}")
+            need(rs["high_freq_factor"] > rs["low_freq_factor"],
+                 "llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+
+    def _validate_family(self, need) -> None:
+        """The exported config.json must mean the same thing to transformers."""
+        t = self.model_type
+        need(t == "mixtral" or self.num_local_experts == 0,
+             f"model_type {t!r} has no MoE; use model_type 'mixtral' for num_local_experts > 0")
+        need(t != "mixtral" or self.num_local_experts > 0, "model_type 'mixtral' needs num_local_experts > 0")
+        need((t == "qwen2") == self.qkv_bias,
+             "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
+             f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {self.qkv_bias})")
+        need(t == "llama" or not self.attention_bias,
+             f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it")
+        need(t != "llama" or self.sliding_window is None,
+             "Llama has no sliding-window attention; use model_type 'mistral'")
+        need(t == "qwen2" or self.layer_types is None or set(self.layer_types) == {"sliding_attention"}
+             or set(self.layer_types) == {"full_attention"},
+             f"per-layer attention types are Qwen2's; model_type {t!r} cannot express mixed layer_types")
+
+    # ------------------------------------------------------------------------------ derived
+    def is_sliding(self, layer_idx: int) -> bool:
+        if self.sliding_window is None:
+            return False
+        if self.layer_types is None:
+            return True
+        return self.layer_types[layer_idx] == "sliding_attention"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.torch_dtype]
+
+    def num_parameters(self) -> int:
+        """Parameter count from the shapes alone (tied embeddings counted once)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        if self.attention_bias:
+            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
+        if self.qkv_bias:
+            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
+        mlp = 3 * h * i * max(1, self.num_local_experts) + (h * self.num_local_experts)
+        layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embed + h
+
+    # ------------------------------------------------------------------------------ (de)serialise
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("extra")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Strict: unknown keys are an error (they are usually typos in a recipe)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown model config key(s): {', '.join(unknown)}")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # A few-minute CPU demo model.
+    "demo": dict(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    # nanoGPT's CPU Shakespeare model size (4 layers, 4 heads, 128 dim).
+    "nanogpt-cpu": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                        num_attention_heads=4, max_position_embeddings=256),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                     max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def preset(name: str, **overrides: Any) -> ModelConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
+    return ModelConfig.from_dict({**PRESETS[name], **overrides})

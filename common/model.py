@@ -1,0 +1,241 @@
+"""The one model definition: a plain PyTorch Llama-family decoder.
+
+Covers Llama (GQA/MQA, llama3 rope scaling, optional attention bias), Mistral (sliding window),
+Qwen2 (q/k/v bias) and Mixtral (top-k routed SwiGLU experts). Parameter names equal the Hugging
+Face checkpoint names, so a state dict is a checkpoint and vice versa.
+
+The model never decides how attention is computed: the attention core (scores, softmax, ·V) is a
+backend passed to forward, the way vLLM and nano-vllm pass attention metadata. Training uses
+`DenseCausalAttention`; the server passes a paged backend that also writes the KV cache. Parallelism,
+recomputation and quantization are applied from outside (torchtitan style) and never live here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.common.config import ModelConfig
+from baton.common.rope import apply_rotary, inv_frequencies, rotary_cos_sin
+
+
+class AttentionBackend(Protocol):
+    """Computes softmax(q k^T * scale + mask) v for one layer.
+
+    q: [B, S, Hq, D], k and v: [B, S, Hkv, D], already rotated; returns [B, S, Hq, D].
+    `layer` gives layer_idx, scaling and sliding_window. A serving backend packs all sequences
+    of a step into B=1 and reads its own metadata (block tables, slot mapping) set per step.
+    """
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention") -> torch.Tensor: ...
+
+
+class DenseCausalAttention:
+    """Causal (optionally sliding-window) attention over whole sequences, no cache."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention") -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout [B, H, S, D]
+        window, s = layer.sliding_window, q.shape[2]
+        if window is None or window >= s:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
+        else:
+            i = torch.arange(s, device=q.device)
+            dist = i[:, None] - i[None, :]
+            mask = (dist >= 0) & (dist < window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like HF, so low-precision runs match the reference.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.sliding_window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+        qkv_bias = cfg.attention_bias or cfg.qkv_bias
+        h = cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = attn(q, k, v, self)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One Mixtral expert; w1/w3/w2 are gate/up/down (the names Mixtral checkpoints use)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed experts: softmax over all router logits, keep top-k, renormalise."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token_idx, slot = torch.where(chosen == e)
+            if token_idx.numel() == 0:
+                continue
+            y = expert(x[token_idx]) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(x.dtype))
+        return out.reshape(shape)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        if cfg.num_local_experts > 0:
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        return x + ffn(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # A plain float32 attribute, not a buffer: model.to(bfloat16) must not round frequencies.
+        self.inv_freq = inv_frequencies(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. `hidden` and `compute_logits` are split so that a server computes
+    logits only where it samples and Medusa heads can read the last hidden state."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+               attn: AttentionBackend | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        return self.model(input_ids, positions, attn or DenseCausalAttention())
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                attn: AttentionBackend | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, vocab]."""
+        return self.compute_logits(self.hidden(input_ids, positions, attn))
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """State dict as written to disk: a tied LM head is stored once, as HF does."""
+        sd = self.state_dict()
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+
+def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
+    """Llama-style init: normal(0, initializer_range) for matrices, ones for norms, zero biases."""
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    std = model.config.initializer_range
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+                module.weight.copy_(w)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+    return model
+
+
+def build_model(cfg: ModelConfig, seed: int | None = 0, device: torch.device | str = "cpu",
+                dtype: torch.dtype | None = None) -> CausalLM:
+    """A freshly initialised model in cfg's dtype (or `dtype`)."""
+    model = init_weights(CausalLM(cfg), seed)
+    return model.to(device=device, dtype=dtype or cfg.dtype)
+
+
+@torch.no_grad()
+def greedy_generate(model: CausalLM, prompt: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Reference greedy decoding without a KV cache (re-runs the whole prefix each step).
+    Slow by design: it is the independent yardstick the serving engine is checked against."""
+    ids = prompt
+    for _ in range(max_new_tokens):
+        next_id = model(ids)[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=-1)
+    return ids[:, prompt.shape[-1]:]

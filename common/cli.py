@@ -40,21 +40,17 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from baton.serve.engine import EngineConfig
+    from baton.serve.llm import LLM
+    from baton.serve.sampling_params import SamplingParams
 
-    from baton.common.checkpoint import load_checkpoint
-    from baton.common.model import greedy_generate
-    from baton.common.tokenizer import Tokenizer
-
-    ckpt = load_checkpoint(args.model)
-    if ckpt.tokenizer_path is None:
-        raise SystemExit(f"baton generate: {args.model} has no tokenizer.json")
-    tok = Tokenizer.from_dir(args.model)
-    ids = tok.encode(args.prompt)
-    if not ids:
-        raise SystemExit("baton generate: the prompt is empty after tokenization")
-    out = greedy_generate(ckpt.model.eval(), torch.tensor([ids]), args.max_tokens)
-    print(args.prompt + tok.decode(out[0].tolist()))
+    llm = LLM(args.model, EngineConfig(kv_cache_bytes=args.kv_cache_mb * 2**20))
+    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    for out in llm.generate(args.prompt, params):
+        for c in out.outputs:
+            print(f"--- [{out.request_id} #{c.index}, {c.finish_reason}, {len(c.token_ids)} tokens]")
+            print((out.prompt or "") + c.text)
     return 0
 
 
@@ -105,10 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="also check the recorded sha256 of every file")
     p.set_defaults(func=_info)
 
-    p = sub.add_parser("generate", help="greedy-decode a prompt with a checkpoint (reference decoder, no KV cache)")
+    p = sub.add_parser("generate", help="generate from prompts with the serving engine (offline, no server)")
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, action="append", help="repeat for a batch")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
     p.set_defaults(func=_generate)
     return parser
 

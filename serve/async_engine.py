@@ -1,0 +1,103 @@
+"""AsyncLLMEngine: the engine loop on a background thread, per-request async output streams.
+
+The gRPC server awaits `generate(...)`; leaving the iterator early (client cancelled, deadline)
+aborts the request, which frees its KV blocks at once. Requests are validated in the caller's
+thread, so bad input raises ValueError before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import AsyncIterator
+
+from baton.serve.engine import LLMEngine
+from baton.serve.outputs import RequestOutput
+from baton.serve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; in-flight and new requests fail with this."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self._lock = threading.Lock()  # every engine call happens under it
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.dead: BaseException | None = None
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        while not self._stopping:
+            try:
+                with self._lock:
+                    busy = self.engine.has_unfinished_requests()
+                    outputs = self.engine.step() if busy else []
+            except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
+                log.exception("engine loop crashed")
+                self.dead = e
+                for rid in list(self._streams):
+                    self._deliver(rid, EngineDeadError(f"engine loop crashed: {e!r}"))
+                return
+            for out in outputs:
+                self._deliver(out.request_id, out)
+            if not busy:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the caller's loop is gone
+                pass
+
+    # ------------------------------------------------------------------------------ callers
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self.dead is not None:
+            raise EngineDeadError(f"engine loop crashed: {self.dead!r}")
+        if self._stopping:
+            raise RuntimeError("engine is shutting down")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority)  # ValueError on bad input
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort_request(request_id)
+
+    def snapshot(self, fn):
+        """Run fn(engine) under the lock (consistent stats for metrics/ServerInfo)."""
+        with self._lock:
+            return fn(self.engine)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)

@@ -1,0 +1,224 @@
+"""PagedAttention's block manager: KV memory as fixed-size blocks, with automatic prefix caching.
+
+Each sequence owns a block table (logical block i -> physical block id). Blocks are reference
+counted so that forked samples (n > 1) share their prompt; a shared, partly filled block is copied
+before it is written (copy-on-write). A full block is identified by a hash chained over its tokens
+and its parent's hash, so two requests with the same prefix share the same physical blocks. Freed
+blocks keep their hash and stay findable until they are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from baton.serve.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set while the block is registered in the prefix cache
+
+
+def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
+    """Chained block hash: equal hashes mean equal full token prefixes (blake2b, 128 bits)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[bytes, int] = {}
+        self.host_free: list[int] = list(range(num_host_blocks))[::-1]
+        self.num_host_blocks = num_host_blocks
+        # Work for the model runner, drained every step: (src, dst) block copies.
+        self.pending_copies: list[tuple[int, int]] = []
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # --------------------------------------------------------------------------- accounting
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict it from the prefix cache
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_blocks[block_id]
+        block.ref_count += 1
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_blocks[block_id] = None  # most recently used: evicted last
+
+    # --------------------------------------------------------------------------- prefix cache
+    def update_hashes(self, seq: Sequence) -> None:
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks for the longest cached prefix of a new sequence; returns the
+        number of tokens whose KV is thereby already computed (always leaves one to compute)."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        self.update_hashes(seq)
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.cached.get(seq.block_hashes[i])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        for block_id in hits:
+            self._ref(block_id)
+        seq.block_table = hits
+        seq.num_registered_blocks = len(hits)
+        return len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit_tokens
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's newly completed, computed blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        for i in range(seq.num_registered_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.hash is None and h not in self.cached:
+                block.hash = h
+                self.cached[h] = block.block_id
+        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+
+    # --------------------------------------------------------------------------- allocation
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
+        need = -(-total // self.block_size) - len(seq.block_table)
+        return max(0, need) + (1 if self._needs_cow(seq) else 0)
+
+    def _needs_cow(self, seq: Sequence) -> bool:
+        cached = seq.num_computed_tokens - seq.num_evicted_tokens
+        if cached % self.block_size == 0:
+            return False
+        block_id = seq.block_table[cached // self.block_size]
+        return self.blocks[block_id].ref_count > 1
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more tokens of KV; False (and no change) if it can't."""
+        if not self.can_allocate(seq, num_new_tokens):
+            return False
+        if self._needs_cow(seq):
+            idx = (seq.num_computed_tokens - seq.num_evicted_tokens) // self.block_size
+            old = seq.block_table[idx]
+            new = self._pop_free()
+            self.pending_copies.append((old, new))
+            self._unref(old)
+            seq.block_table[idx] = new
+        total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
+        while len(seq.block_table) * self.block_size < total:
+            seq.block_table.append(self._pop_free())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        # Tail first, so a prompt's head blocks are the last to be evicted from the cache.
+        for block_id in reversed(seq.block_table):
+            if block_id >= 0:
+                self._unref(block_id)
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares all of parent's blocks; whoever writes a shared block first copies it."""
+        child.block_table = list(parent.block_table)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.block_hashes = list(parent.block_hashes)
+        for block_id in child.block_table:
+            if block_id >= 0:
+                self.blocks[block_id].ref_count += 1
+
+    def drop_leading_blocks(self, seq: Sequence, start: int, count: int) -> None:
+        """Free `count` blocks after the first `start` ones (StreamingLLM / sliding window)."""
+        for block_id in seq.block_table[start:start + count]:
+            self._unref(block_id)
+        del seq.block_table[start:start + count]
+        seq.num_evicted_tokens += count * self.block_size
+
+    # --------------------------------------------------------------------------- swapping
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(self.host_free) >= len(seq.block_table)
+
+    def swap_out(self, seq: Sequence) -> None:
+        for block_id in seq.block_table:
+            host = self.host_free.pop()
+            self.pending_swap_out.append((block_id, host))
+            seq.host_block_table.append(host)
+        self.free(seq)
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Room for its swapped blocks plus the new tokens it will compute right away."""
+        total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
+        return max(len(seq.host_block_table), -(-total // self.block_size)) <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> None:
+        for host in seq.host_block_table:
+            block_id = self._pop_free()
+            self.pending_swap_in.append((host, block_id))
+            seq.block_table.append(block_id)
+            self.host_free.append(host)
+        seq.host_block_table = []
+
+    def free_host(self, seq: Sequence) -> None:
+        self.host_free.extend(seq.host_block_table)
+        seq.host_block_table = []
+
+    def take_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        out = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
+        self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
+        return out
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0

@@ -1,0 +1,301 @@
+"""LLMEngine: requests in, one scheduled model step at a time, outputs out (vLLM's shape).
+
+step() = schedule (continuous batching) -> run the model on the packed batch -> sample ->
+append tokens, detokenize, check stop conditions -> retire finished sequences (freeing blocks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from baton.common.checkpoint import load_checkpoint
+from baton.common.model import CausalLM
+from baton.common.tokenizer import Tokenizer
+from baton.serve.block_manager import BlockManager
+from baton.serve.detokenizer import IncrementalDetokenizer
+from baton.serve.model_runner import ModelRunner, kv_block_bytes
+from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.serve.sampler import sample
+from baton.serve.sampling_params import SamplingParams
+from baton.serve.scheduler import Scheduler, SchedulerConfig
+from baton.serve.sequence import Sequence, SequenceStatus
+from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # exact pool size; else sized from the budget below
+    kv_cache_bytes: int | None = None
+    kv_cache_fraction: float = 0.1  # of available RAM (CPU) or free GPU memory
+    swap_space_bytes: int = 64 * 1024**2  # host pool for swap preemption
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    streaming_sink_tokens: int | None = None  # set both streaming_* to enable StreamingLLM
+    streaming_window_tokens: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @property
+    def streaming(self) -> bool:
+        return self.streaming_window_tokens is not None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer | None]
+    emitted_text: list[str]  # text already reported per sample (stop-string hold-back)
+    reported_tokens: list[int]
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model, self.tokenizer = model, tokenizer
+        mcfg = model.config
+        self.vocab_size = mcfg.vocab_size
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        p = next(model.parameters())
+        block_bytes = kv_block_bytes(model, config.block_size, p.dtype)
+        num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
+        num_host = config.swap_space_bytes // block_bytes if config.scheduler.preemption_mode == "swap" else 0
+        eviction = None
+        if config.streaming:
+            eviction = StreamingLLMPolicy(config.streaming_sink_tokens or 0, config.streaming_window_tokens)
+        elif mcfg.sliding_window is not None and all(mcfg.is_sliding(i) for i in range(mcfg.num_hidden_layers)):
+            eviction = SlidingWindowPolicy(mcfg.sliding_window)
+        self.eviction = eviction
+        prefix_caching = config.enable_prefix_caching and eviction is None
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.eos_ids = self._eos_ids()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
+                 num_blocks, config.block_size, num_blocks * block_bytes / 2**20, num_host,
+                 "on" if prefix_caching else "off",
+                 f"; StreamingLLM sinks={config.streaming_sink_tokens} window={config.streaming_window_tokens}"
+                 if config.streaming else "")
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None, device: str = "cpu",
+                        dtype: torch.dtype | None = None) -> "LLMEngine":
+        ckpt = load_checkpoint(path, device=device, dtype=dtype)
+        tok = Tokenizer.from_dir(path) if ckpt.tokenizer_path else None
+        return cls(ckpt.model, tok, config)
+
+    def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+            budget = int(free * self.config.kv_cache_fraction)
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")
+        return int(blocks)
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.config.eos_token_id
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ------------------------------------------------------------------------------ requests
+    def validate_request(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Token ids of the prompt, or ValueError naming what is wrong (nothing is scheduled)."""
+        params.validate(self.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt token ids must be integers in 0..{self.vocab_size - 1}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        if not self.config.streaming and len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                             "(prompt plus at least one generated token must fit)")
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                             f"({sched.max_num_batched_tokens}) with chunked prefill off")
+        if self.config.streaming and params.n != 1:
+            raise ValueError("StreamingLLM mode generates one sample per request (n=1)")
+        limit = len(ids) + 1 if self.config.streaming else min(self.max_model_len, len(ids) + params.max_tokens)
+        if not self.config.streaming and -(-limit // self.config.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size}) "
+                             f"cannot hold one sequence of {limit} tokens: raise the KV budget or lower max_tokens")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.validate_request(prompt, params)
+        seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, priority,
+                       arrival_time if arrival_time is not None else time.monotonic())
+        seq.make_generator()
+        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
+                                             [seq], [self._detok(params)], [""], [0])
+        self.scheduler.add(seq)
+
+    def _detok(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        del self.requests[request_id]
+        return self._output(req, final=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            if self.scheduler.has_work() and not sched.preempted:
+                raise RuntimeError("scheduler made no progress: the KV cache is too small for any waiting request")
+            return []
+        rerot = self.eviction.pending_rerotations if isinstance(self.eviction, StreamingLLMPolicy) else []
+        self.runner.apply_block_ops(*self.block_manager.take_pending(), rerotations=list(rerot))
+        rerot.clear()
+        positions_in_cache = bool(self.eviction and self.eviction.positions_in_cache)
+        logits, sampled = self.runner.execute(sched.scheduled, positions_in_cache, window_in_cache=not positions_in_cache)
+        self.stats["steps"] += 1
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+            if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                self.stats["prompt_tokens"] += n
+        touched: dict[str, _Request] = {}
+        now = time.monotonic()
+        rows, targets = [], []
+        for row, seq in enumerate(sampled):
+            req = self.requests[seq.request_id]
+            group = [seq]
+            if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
+                group += self._fork(req, seq)
+            rows += [row] * len(group)
+            targets += group
+            touched[req.request_id] = req
+        for seq, result in zip(targets, sample(logits[rows], targets)):
+            self._append(self.requests[seq.request_id], seq, result, now)
+        outputs = []
+        for req in touched.values():
+            done = all(s.is_finished for s in req.seqs)
+            outputs.append(self._output(req, final=done))
+            if done:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _fork(self, req: _Request, parent: Sequence) -> list[Sequence]:
+        """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
+        children = []
+        for i in range(1, req.params.n):
+            child = Sequence(next(self._seq_ids), req.request_id, i, req.prompt_token_ids, req.params,
+                             parent.priority, parent.arrival_time, token_ids=list(parent.token_ids),
+                             num_computed_tokens=parent.num_computed_tokens, status=SequenceStatus.RUNNING)
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.make_generator()
+            self.block_manager.fork(parent, child)
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+            req.detoks.append(self._detok(req.params))
+            req.emitted_text.append("")
+            req.reported_tokens.append(0)
+            children.append(child)
+        return children
+
+    def _append(self, req: _Request, seq: Sequence, result, now: float) -> None:
+        token = result.token_id
+        seq.token_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        if result.logprobs is not None:
+            seq.logprobs.append(result.logprobs)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        detok = req.detoks[seq.index]
+        if detok is not None:
+            detok.add(token)
+            seq.output_text = detok.text
+        p = seq.params
+        if token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif token in self.eos_ids and not p.ignore_eos:
+            self._finish(seq, "stop", None)
+        elif p.stop and self._check_stop_strings(seq):
+            pass
+        elif seq.num_output_tokens >= p.max_tokens:
+            self._finish(seq, "length", None)
+        elif not self.config.streaming and seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _check_stop_strings(self, seq: Sequence) -> bool:
+        text = seq.output_text
+        for stop in seq.params.stop:
+            at = text.find(stop)
+            if at >= 0:
+                seq.output_text = text[:at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+                self._finish(seq, "stop", stop)
+                return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        detok = self.requests[seq.request_id].detoks[seq.index]
+        if detok is not None and not isinstance(stop_reason, str):  # stop strings already cut the text
+            detok.flush()
+            seq.output_text = detok.text
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finished_time = time.monotonic()
+        self.scheduler.finish(seq)
+
+    def _output(self, req: _Request, final: bool) -> RequestOutput:
+        hold = max((len(s) for s in req.params.stop), default=1) - 1  # never stream a partial stop string
+        outs = []
+        for seq, in_order in zip(req.seqs, range(len(req.seqs))):
+            text = seq.output_text
+            visible = text if seq.is_finished or hold == 0 else text[:max(len(req.emitted_text[in_order]), len(text) - hold)]
+            delta = visible[len(req.emitted_text[in_order]):]
+            req.emitted_text[in_order] = visible
+            new_ids = seq.output_token_ids[req.reported_tokens[in_order]:]
+            req.reported_tokens[in_order] = seq.num_output_tokens
+            outs.append(CompletionOutput(seq.index, visible, list(seq.output_token_ids), seq.finish_reason,
+                                         seq.stop_reason, list(seq.logprobs) if req.params.logprobs is not None else None,
+                                         delta, new_ids))
+        first = req.seqs[0]
+        m = RequestMetrics(
+            arrival_time=first.arrival_time, first_scheduled_time=first.metrics.first_scheduled_time,
+            first_token_time=min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None),
+            finished_time=time.monotonic() if final else None, num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_prompt_tokens=first.metrics.num_cached_prompt_tokens,
+            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
+            num_preemptions=sum(s.metrics.num_preemptions for s in req.seqs))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, final, m)

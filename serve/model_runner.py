@@ -1,0 +1,119 @@
+"""Owns the KV pools and runs one scheduled step of the shared model through paged attention."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.common.model import CausalLM
+from baton.common.rope import rotate_half
+from baton.serve.attention import AttentionMetadata, PagedAttention
+from baton.serve.sequence import Sequence
+
+
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0):
+        self.model = model.eval()
+        cfg = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.block_size = block_size
+        shape = (cfg.num_key_value_heads, cfg.head_dim)
+        # Zero-filled: padded block-table entries may be read (and masked), never as NaN.
+        self.kv_caches = [(torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=self.device))
+                          for _ in range(cfg.num_hidden_layers)]
+        pin = self.device.type == "cuda"
+        self.host_caches = [(torch.zeros(num_host_blocks, block_size, *shape, dtype=self.dtype, pin_memory=pin),
+                             torch.zeros(num_host_blocks, block_size, *shape, dtype=self.dtype, pin_memory=pin))
+                            for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
+        self.attn = PagedAttention(self.kv_caches)
+
+    # ------------------------------------------------------------------------------ block ops
+    def apply_block_ops(self, swap_out, swap_in, copies, rerotations=()) -> None:
+        """Swap-outs first: a block freed by one may be reused by a swap-in or copy this step."""
+        for pairs, src_pools, dst_pools in ((swap_out, self.kv_caches, self.host_caches),
+                                            (swap_in, self.host_caches, self.kv_caches),
+                                            (copies, self.kv_caches, self.kv_caches)):
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs])
+            dst = torch.tensor([b for _, b in pairs])
+            for (sk, sv), (dk, dv) in zip(src_pools, dst_pools):
+                dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
+                dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
+        for blocks, shift in rerotations:
+            self._rerotate(blocks, shift)
+
+    def _rerotate(self, blocks: list[int], shift: int) -> None:
+        """Move cached keys `shift` positions left: RoPE(p - s) = RoPE(-s) . RoPE(p)."""
+        inv_freq = self.model.model.inv_freq.to(self.device)
+        angle = torch.cat([inv_freq, inv_freq]) * -float(shift)
+        cos, sin = angle.cos().to(self.dtype), angle.sin().to(self.dtype)
+        idx = torch.tensor(blocks, device=self.device)
+        for k_cache, _ in self.kv_caches:
+            k = k_cache[idx]
+            k_cache[idx] = k * cos + rotate_half(k) * sin
+
+    # ------------------------------------------------------------------------------ one step
+    def prepare(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool, window_in_cache: bool):
+        """Pack decodes then prefill chunks; return (ids, positions, metadata, rows to sample)."""
+        bs = self.block_size
+        order = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
+        ids, positions, slots, sample_rows = [], [], [], []
+        dec_tables, dec_lens, pre_tables, pre_prefix, cu = [], [], [], [], [0]
+        for seq, n in order:
+            start = seq.num_computed_tokens
+            first_cached = start - seq.num_evicted_tokens  # index of this chunk's first token in the cache
+            ids += seq.token_ids[start:start + n]
+            positions += range(first_cached, first_cached + n) if positions_in_cache else range(start, start + n)
+            for c in range(first_cached, first_cached + n):
+                slots.append(seq.block_table[c // bs] * bs + c % bs)
+            if n == 1:
+                dec_tables.append(seq.block_table)
+                dec_lens.append(first_cached + 1)
+            else:
+                pre_tables.append(seq.block_table)
+                pre_prefix.append(first_cached)
+                cu.append(cu[-1] + n)
+            if start + n == seq.num_tokens:
+                sample_rows.append((len(ids) - 1, seq))
+        dev = self.device
+
+        def table(rows: list[list[int]]) -> torch.Tensor:
+            width = max((len(r) for r in rows), default=0)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev).reshape(len(rows), width)
+
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_decodes=len(dec_lens),
+            decode_block_tables=table(dec_tables),
+            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
+            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            prefill_block_tables=table(pre_tables),
+            prefill_prefix_lens=torch.tensor(pre_prefix, dtype=torch.int32, device=dev),
+            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
+            window_in_cache=window_in_cache,
+        )
+        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
+        pos = torch.tensor([positions], dtype=torch.long, device=dev)
+        return input_ids, pos, md, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool = False,
+                window_in_cache: bool = True) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run the step; return logits [num_sampled, vocab] and the sequences they belong to."""
+        input_ids, positions, md, sample_rows = self.prepare(scheduled, positions_in_cache, window_in_cache)
+        self.attn.metadata = md
+        try:
+            hidden = self.model.hidden(input_ids, positions, attn=self.attn)[0]
+        finally:
+            self.attn.metadata = None
+        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if len(sample_rows) else hidden.new_zeros(0, self.model.config.vocab_size)
+        return logits, [s for _, s in sample_rows]

@@ -1,0 +1,166 @@
+"""Iteration-level scheduler (continuous batching) with chunked prefill and preemption.
+
+Every step has a token budget. Running sequences are served first — decodes and unfinished
+prefill chunks together — so a long prompt can never stall the decodes; what budget is left
+admits swapped-out and then waiting sequences, chunking a prompt that does not fit. When blocks
+run out, the lowest-priority running sequence is preempted: by recompute (drop its KV, re-prefill
+later) or by swap (copy its KV to the host pool), per policy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from baton.serve.block_manager import BlockManager
+from baton.serve.sequence import Sequence, SequenceStatus
+from baton.serve.streaming import EvictionPolicy
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # "recompute" | "swap" (falls back to recompute if the host pool is full)
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower priority value runs first)
+    priority_aging_s: float = 30.0  # each this many seconds of waiting raises priority by one: no starvation
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, eviction: EvictionPolicy | None = None):
+        config.validate()
+        self.config = config
+        self.bm = block_manager
+        self.eviction = eviction
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def _key(self, seq: Sequence, now: float) -> tuple[float, float, int]:
+        if self.config.policy == "priority":
+            aged = seq.priority - (now - seq.arrival_time) / self.config.priority_aging_s
+            return (aged, seq.arrival_time, seq.seq_id)
+        return (0.0, seq.arrival_time, seq.seq_id)
+
+    # ---------------------------------------------------------------------------------- step
+    def schedule(self) -> SchedulerOutput:
+        now = time.monotonic()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda s: self._key(s, now))
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if self.eviction is not None:
+                self.eviction.evict(seq, self.bm)
+            n = self._chunk(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.bm.allocate_slots(seq, n):
+                victim = self.running.pop()  # lowest priority
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append((seq, n))
+                budget -= n
+                i += 1
+
+        if not out.preempted:  # resume before admitting: swapped sequences are older
+            self.swapped.sort(key=lambda s: self._key(s, now))
+            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.swapped[0]
+                n = self._chunk(seq, budget)
+                if n == 0 or not self.bm.can_swap_in(seq, n):
+                    break
+                self.bm.swap_in(seq)
+                if not self.bm.allocate_slots(seq, n):
+                    raise AssertionError("can_swap_in promised room for the new tokens")
+                self.swapped.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+
+        if not out.preempted and not self.swapped:
+            self.waiting.sort(key=lambda s: self._key(s, now))
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                seq = self.waiting[0]
+                hit = self.bm.match_prefix(seq)  # waiting sequences hold no blocks
+                seq.num_computed_tokens = hit
+                n = self._chunk(seq, budget)
+                if n == 0 or not self.bm.allocate_slots(seq, n):
+                    self.bm.free(seq)
+                    seq.num_computed_tokens = 0
+                    break
+                self.waiting.pop(0)
+                seq.status = SequenceStatus.RUNNING
+                if seq.metrics.first_scheduled_time is None:
+                    seq.metrics.first_scheduled_time = now
+                    seq.metrics.num_cached_prompt_tokens = hit
+                    self.bm.record_prefix_lookup(seq.num_tokens, hit)
+                self.running.append(seq)
+                out.scheduled.append((seq, n))
+                budget -= n
+        return out
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
+            # (a recompute-preempted sequence may have outgrown the budget: chunk it regardless)
+            return min(remaining, budget)
+        return remaining if remaining <= budget else 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        seq.metrics.num_preemptions += 1
+        if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq) and seq.num_evicted_tokens == 0:
+            self.bm.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+        else:
+            self.bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.num_evicted_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+
+    # ---------------------------------------------------------------------------------- retire
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and give back every block it held."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+        self.bm.free(seq)
+        self.bm.free_host(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,169 @@
+"""Compile every Triton kernel for sm_90 and sm_80 with Triton's bundled ptxas - no GPU needed.
+
+Run as a script in a process WITHOUT TRITON_INTERPRET (the jitted functions must be real
+JITFunctions). JITFunction.run is replaced by a recorder that, instead of launching, compiles the
+launch it was given for each target: so the exact specialisations and constexprs the public
+`*_triton` launchers choose are what gets compiled. The launchers run on small CPU tensors.
+
+Prints one JSON object {case: {"sm_90": "ok" | error, "sm_80": ...}}; test_compile.py asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+TARGETS = {"sm_90": 90, "sm_80": 80}
+# Shared memory a block may use (H100 / A100 opt-in maximum): the launch would fail above it, and
+# the compiler does not check this itself.
+SHARED_LIMIT = {90: 232448, 80: 166912}
+
+
+def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False):
+    def run():
+        from baton.kernels import flash_attention as fa
+        from baton.kernels.flash_attention_bwd import flash_attn_bwd_triton
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        q = torch.zeros(12, 4, head_dim, dtype=dtype)
+        k = torch.zeros(12, 2, head_dim, dtype=dtype)
+        if paged:
+            cache = torch.zeros(4, 16, 2, head_dim, dtype=dtype)
+            fa.flash_attn_with_paged_prefix_triton(q, k, k, cu, cache, cache, torch.zeros(2, 2, dtype=torch.int32),
+                                                   torch.tensor([3, 20], dtype=torch.int32), 7, causal=causal,
+                                                   sliding_window=window)
+        elif backward:
+            lse = torch.zeros(4, 12)
+            flash_attn_bwd_triton(q, q, k, k, q, lse, cu, cu, 7, 7, causal=causal, sliding_window=window)
+        else:
+            fa.flash_attn_fwd_triton(q, k, k, cu, cu, 7, causal=causal, sliding_window=window, with_lse=True)
+    return run
+
+
+def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None):
+    def run():
+        from baton.kernels.paged_attention import paged_attention_decode_triton
+        cache = torch.zeros(8, 16, 2, head_dim, dtype=dtype)
+        tables = torch.zeros(3, 8, dtype=torch.int32)
+        lens = torch.tensor([1, 60, 128], dtype=torch.int32)
+        paged_attention_decode_triton(torch.zeros(3, 2 * group, head_dim, dtype=dtype), cache, cache, tables, lens,
+                                      sliding_window=window, num_splits=num_splits, max_score_estimate=estimate)
+    return run
+
+
+def _elementwise(name, dtype):
+    def run():
+        from baton.kernels import activation, kv_cache, rmsnorm, rotary
+        x = torch.zeros(4, 4096, dtype=dtype)
+        if name == "rms_norm":
+            rmsnorm.rms_norm_triton(x, torch.zeros(4096, dtype=dtype), 1e-6)
+        elif name == "rms_norm_residual":
+            rmsnorm.rms_norm_triton(x, torch.zeros(4096, dtype=dtype), 1e-6, residual=x)
+        elif name == "rotary":
+            rotary.apply_rotary_triton(torch.zeros(4, 32, 128, dtype=dtype), torch.zeros(4, 8, 128, dtype=dtype),
+                                       torch.zeros(4, 128), torch.zeros(4, 128))
+        elif name == "swiglu":
+            activation.swiglu_triton(x, x)
+        elif name == "reshape_and_cache":
+            k = torch.zeros(4, 8, 128, dtype=dtype)
+            cache = torch.zeros(2, 16, 8, 128, dtype=dtype)
+            kv_cache.reshape_and_cache_triton(k, k, cache, cache, torch.zeros(4, dtype=torch.int64))
+    return run
+
+
+def _quant(fmt, dtype, m):
+    def run():
+        from baton.kernels import quant_matmul as qm, w8a8
+        x = torch.zeros(m, 256, dtype=dtype)
+        w8 = torch.zeros(128, 256, dtype=torch.int8)
+        s = torch.zeros(128)
+        if fmt == "int8":
+            qm.int8_weight_matmul_triton(x, w8, s)
+        elif fmt == "int4":
+            g = torch.zeros(128, 2)
+            qm.int4_weight_matmul_triton(x, torch.zeros(128, 128, dtype=torch.uint8), g, g, 128)
+        elif fmt == "fp8":
+            qm.fp8_weight_matmul_triton(x, torch.zeros(128, 256, dtype=torch.float8_e4m3fn), s)
+        elif fmt == "w8a8":
+            w8a8.w8a8_matmul_triton(torch.zeros(m, 256, dtype=torch.int8), torch.zeros(m), w8, s, dtype)
+        elif fmt == "quantize_per_token":
+            w8a8.quantize_per_token_triton(x)
+    return run
+
+
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+CASES = {
+    "flash_fwd_bf16_d128_causal": _attn(bf16, 128),
+    "flash_fwd_f16_d64_window": _attn(f16, 64, window=32),
+    "flash_fwd_f32_d64_noncausal": _attn(f32, 64, causal=False),
+    "flash_fwd_f16_d80_paged_prefix": _attn(f16, 80, paged=True),
+    "flash_fwd_bf16_d128_paged_prefix_window": _attn(bf16, 128, window=64, paged=True),
+    "flash_bwd_bf16_d128_causal": _attn(bf16, 128, backward=True),
+    "flash_bwd_f16_d64_window": _attn(f16, 64, window=32, backward=True),
+    "flash_bwd_f32_d64_noncausal": _attn(f32, 64, causal=False, backward=True),
+    "decode_bf16_d128_gqa4_split": _decode(bf16, 128, 4, 4),
+    "decode_f16_d64_mha_direct": _decode(f16, 64, 1, 1),
+    "decode_f32_d64_gqa8_window_split": _decode(f32, 64, 8, 3, window=50),
+    "decode_unified_max_bf16_d128_gqa4_split": _decode(bf16, 128, 4, 4, estimate=5.0),
+    "decode_unified_max_f16_d64_direct": _decode(f16, 64, 2, 1, estimate=5.0),
+    **{f"{name}_{tag}": _elementwise(name, dt) for name in
+       ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache") for tag, dt in
+       (("bf16", bf16), ("f32", f32))},
+    **{f"{fmt}_{tag}_m{m}": _quant(fmt, dt, m) for fmt in ("int8", "int4", "fp8", "w8a8")
+       for tag, dt in (("bf16", bf16), ("f16", f16)) for m in (4, 100)},
+    "quantize_per_token_bf16": _quant("quantize_per_token", bf16, 100),
+}
+
+
+def _install_compiling_run(results: dict, case: list[str]) -> None:
+    """Replace JITFunction.run so a launch compiles for every target and records the outcome."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    def run(self, *args, grid, warmup, **kwargs):
+        for label, cc in TARGETS.items():
+            target = GPUTarget("cuda", cc, 32)
+            backend = make_backend(target)
+            try:
+                binder = create_function_from_signature(self.signature, self.params, backend)
+                bound, specialization, options = binder(*args, **kwargs)
+                options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization,
+                                                                        options)
+                kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
+                                        options=options.__dict__)
+                shared = kernel.metadata.shared
+                outcome = "ok" if shared <= SHARED_LIMIT[cc] else f"{self.__name__}: {shared} B of shared memory"
+            except Exception as e:  # noqa: BLE001 - every compiler error is a result to report
+                outcome = f"{self.__name__}: {type(e).__name__}: {e}"[:2000]
+            previous = results[case[0]].get(label, "ok")
+            results[case[0]][label] = outcome if previous == "ok" else previous
+        return None
+
+    JITFunction.run = run
+
+
+def main(names: list[str]) -> dict:
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "compile checks need real JITFunctions"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    results: dict[str, dict[str, str]] = {}
+    case = [""]
+    _install_compiling_run(results, case)
+    for name in names:
+        case[0] = name
+        results[name] = {}
+        try:
+            CASES[name]()
+        except Exception:  # noqa: BLE001 - a launcher crash is reported against its case
+            results[name] = {label: "launcher failed: " + traceback.format_exc()[-2000:] for label in TARGETS}
+        if not results[name]:
+            results[name] = {label: "no kernel was launched" for label in TARGETS}
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:] or list(CASES))))

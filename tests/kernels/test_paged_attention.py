@@ -1,0 +1,118 @@
+"""Paged decode (split-K + reduce, FlashDecoding++ unified max with its fallback) and the KV-cache
+write: Triton kernels under the interpreter and the CPU dispatch path against the references."""
+
+import pytest
+import torch
+
+from baton.kernels import kv_cache, paged_attention as pa, reference as ref
+from baton.kernels.kv_cache import reshape_and_cache
+from baton.kernels.paged_attention import paged_attention_decode, plan_splits
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+# very different lengths in one batch, incl. an empty slot and lengths off the 16/32/64 tile grid
+LENS = [0, 1, 17, 100, 250]
+
+
+def _decode_case(dtype, lens, heads=(8, 2), head_dim=32, block_size=16, spare_blocks=3):
+    hq, hkv = heads
+    max_blocks = max(1, -(-max(lens) // block_size)) + 1  # one more slot than needed: never read
+    num_blocks = len(lens) * max_blocks + spare_blocks
+    k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks)[:len(lens) * max_blocks].reshape(len(lens), max_blocks).to(torch.int32)
+    q = torch.randn(len(lens), hq, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode(dtype, heads, num_splits, window):
+    args = _decode_case(dtype, LENS, heads)
+    want = ref.paged_attention_decode_ref(*args, sliding_window=window)
+    got = pa.paged_attention_decode_triton(*args, sliding_window=window, num_splits=num_splits)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(paged_attention_decode(*args, sliding_window=window), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_small_pages_scale_and_max_context_len(dtype):
+    args = _decode_case(dtype, [3, 40, 9], heads=(6, 3), head_dim=64, block_size=8)
+    want = ref.paged_attention_decode_ref(*args, softmax_scale=0.3)
+    for kwargs in (dict(num_splits=4), dict(max_context_len=40)):
+        got = pa.paged_attention_decode_triton(*args, softmax_scale=0.3, **kwargs)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    cpu = paged_attention_decode(*args, softmax_scale=0.3, max_context_len=40)
+    torch.testing.assert_close(cpu, want, **TOL[dtype])
+
+
+# Unified max: scores here are ~N(0, 1); 3.0 is a sensible estimate, -300 overflows 2^(s - phi)
+# (fallback), 300 underflows it to 0 (fallback), a per-head tensor mixes both.
+ESTIMATES = {"good": 3.0, "too_low": -300.0, "too_high": 300.0,
+             "per_head": torch.tensor([3.0, -300.0, 300.0, 0.0, 3.0, 3.0, 40.0, -40.0])}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, in the interpreter,
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # before the fallback
+@pytest.mark.parametrize("estimate", list(ESTIMATES))
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_unified_max(dtype, num_splits, estimate):
+    args = _decode_case(dtype, LENS, heads=(8, 2))
+    want = ref.paged_attention_decode_ref(*args)
+    got = pa.paged_attention_decode_triton(*args, num_splits=num_splits, max_score_estimate=ESTIMATES[estimate])
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_decode_unified_max_with_large_scores_and_window():
+    """Scores far above the estimate in one split only: that split falls back, the others do not."""
+    q, k_cache, v_cache, tables, lens = _decode_case(torch.float32, [200, 130], heads=(2, 1))
+    k_cache[tables[0, 0], 3] *= 40.0  # one huge-score key early in sequence 0
+    want = ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, sliding_window=190)
+    got = pa.paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, sliding_window=190, num_splits=4,
+                                           max_score_estimate=2.0)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_plan_splits_covers_every_key():
+    for max_len in (1, 63, 64, 65, 1000, 100_000):
+        for requested in (None, 1, 7, 1000):
+            plan = plan_splits(2, 8, max_len, torch.float16, torch.device("cpu"), requested)
+            assert plan.split_size % plan.block_n == 0
+            assert plan.num_splits * plan.split_size >= max_len > (plan.num_splits - 1) * plan.split_size
+
+
+def _cache_case(dtype, num_tokens=9, heads=3, head_dim=24, num_blocks=5, block_size=4):
+    k = torch.randn(num_tokens, heads, head_dim, dtype=dtype)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[2, 5]] = -1  # padding tokens
+    pools = [torch.full((num_blocks, block_size, heads, head_dim), float("nan"), dtype=dtype) for _ in range(2)]
+    return k, v, *pools, slots
+
+
+@pytest.mark.parametrize("impl", ["triton", "dispatch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reshape_and_cache(dtype, impl):
+    """Written slots hold the tokens, every other slot is still NaN (nothing else was touched)."""
+    k, v, k_cache, v_cache, slots = _cache_case(dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    ref.reshape_and_cache_ref(k, v, want_k, want_v, slots)
+    fn = kv_cache.reshape_and_cache_triton if impl == "triton" else reshape_and_cache
+    fn(k, v, k_cache, v_cache, slots)
+    torch.testing.assert_close(k_cache, want_k, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(v_cache, want_v, equal_nan=True, rtol=0, atol=0)
+    assert torch.isnan(k_cache).sum() == k_cache.numel() - 7 * 3 * 24
+
+
+def test_write_then_decode_end_to_end():
+    """Tokens written with reshape_and_cache are what decode attends to."""
+    q, k_cache, v_cache, tables, lens = _decode_case(torch.float32, [5, 21], heads=(4, 2), block_size=8)
+    new_k, new_v = torch.randn(2, 2, 2, 32)
+    positions = lens.long()  # each sequence appends its next token
+    slots = tables.long()[torch.arange(2), positions // 8] * 8 + positions % 8
+    kv_cache.reshape_and_cache_triton(new_k, new_v, k_cache, v_cache, slots)
+    got = pa.paged_attention_decode_triton(q, k_cache, v_cache, tables, lens + 1, num_splits=2)
+    torch.testing.assert_close(got, ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens + 1),
+                               **TOL[torch.float32])

@@ -1,0 +1,49 @@
+"""Small random-weight checkpoints, built through HF transformers and imported like a user would."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from baton.common.checkpoint import load_checkpoint, save_model
+from baton.common.hf import import_hf
+from baton.common.tokenizer import train_bpe
+
+BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
+            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=12, head_dim=16)),
+    "qwen2": (transformers.Qwen2Config, {}),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+}
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 20 + "Émigré naïve café 🦊 😀 日本語のテキスト. " * 10
+        + "def f(x):\n    return x * 2\n" * 10)
+
+
+def make_hf_checkpoint(tmp_path, family: str, seed: int = 0):
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(cls(**BASE, **extra)).float().eval()
+    if family == "qwen2":
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path / f"hf-{family}")
+    return hf, import_hf(tmp_path / f"hf-{family}", tmp_path / f"baton-{family}")
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    """A Llama checkpoint with a real byte-level BPE tokenizer (vocab 320)."""
+    tmp = tmp_path_factory.mktemp("llama")
+    _, ckpt = make_hf_checkpoint(tmp, "llama")
+    tok = train_bpe([TEXT], vocab_size=BASE["vocab_size"])
+    assert tok.vocab_size <= BASE["vocab_size"]
+    model = load_checkpoint(ckpt).model
+    model.config.eos_token_id = tok.eos_token_id
+    save_model(tmp / "with-tok", model, tokenizer=tok)
+    return tmp / "with-tok"

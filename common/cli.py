@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -67,7 +68,80 @@ def _train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)  # fails here, before any work, on a bad recipe
     result = train(cfg)
-    print(f"Trained {result.steps} steps ({result.tokens_seen:,} tokens); handoff checkpoint: {result.handoff_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under a launcher, one report
+        print(f"Trained {result.steps} steps ({result.tokens_seen:,} tokens); handoff checkpoint: {result.handoff_dir}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from baton.train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out)
+    print(f"Exported training checkpoint {args.checkpoint} -> handoff checkpoint {out}")
+    return 0
+
+
+def _token(path: str | None) -> str | None:
+    """A bearer token from a file or $BATON_AUTH_TOKEN (never from the command line: ps shows it)."""
+    import os
+
+    if path:
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"auth token file {path} is empty")
+        return token
+    return os.environ.get("BATON_AUTH_TOKEN") or None
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from baton.serve.engine import EngineConfig
+    from baton.serve.runtime import Limits
+    from baton.serve.scheduler import SchedulerConfig
+    from baton.serve.server import ServerConfig, run
+
+    engine = EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_bytes=args.kv_cache_mb * 2**20, max_model_len=args.max_model_len,
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+    limits = Limits(max_concurrent=args.max_concurrent, max_queued=args.max_queued,
+                    max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
+                    max_message_bytes=int(args.max_message_mb * 2**20))
+    return run(ServerConfig(model=args.model, model_name=args.model_name, host=args.host, port=args.port,
+                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=_token(args.auth_token_file),
+                            drain_timeout_s=args.drain_timeout, device=args.device, dtype=args.dtype,
+                            limits=limits, engine=engine))
+
+
+def _query(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from baton.serve.client import BatonClient
+
+    with BatonClient(args.target, token=_token(args.auth_token_file), ca_file=args.ca, timeout=args.timeout) as c:
+        try:
+            if args.info:
+                print(json.dumps({"model": MessageToDict(c.model_info()), "server": MessageToDict(c.server_info()),
+                                  "health": c.health()}, indent=2))
+                return 0
+            if args.prompt is None:
+                raise SystemExit("baton query: give a PROMPT (or --info)")
+            sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, stop=args.stop or [])
+            if args.seed is not None:
+                sampling["seed"] = args.seed
+            finish = ""
+            for msg in c.generate(args.prompt, **sampling):
+                for comp in msg.completions:
+                    print(comp.text, end="", flush=True)
+                    finish = comp.finish_reason or finish
+                if msg.finished:
+                    u = msg.usage
+                    print(f"\n--- [{msg.request_id}: {finish}, {u.prompt_tokens} prompt + "
+                          f"{u.completion_tokens} generated tokens]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"baton query: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -86,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("export", help="consolidate a training checkpoint (any backend, ZeRO shards too) into a handoff checkpoint")
+    p.add_argument("checkpoint", help="a step checkpoint, or a run's out_dir (its latest checkpoint is used)")
+    p.add_argument("out", help="where the handoff checkpoint goes")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("convert", help="convert between HF checkpoint directories and Baton checkpoints")
     direction = p.add_mutually_exclusive_group(required=True)
@@ -113,6 +192,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser("serve", help="serve a checkpoint over gRPC (Baton API, KServe v2/Triton, health, metrics)")
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model-name", default=None, help="name clients use (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8001, help="gRPC port (0: any free port, logged)")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (-1: off, 0: any)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate (chain) to serve TLS; needs --tls-key")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--auth-token-file", default=None,
+                   help="require 'authorization: Bearer <token>' (token read from this file, else $BATON_AUTH_TOKEN)")
+    p.add_argument("--max-concurrent", type=int, default=64, help="generation requests in the engine at once")
+    p.add_argument("--max-queued", type=int, default=256, help="requests waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
+    p.add_argument("--max-output-tokens", type=int, default=1024, help="largest max_tokens accepted")
+    p.add_argument("--max-message-mb", type=float, default=4.0, help="largest gRPC message either way")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides --kv-cache-mb)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="cast weights on load")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("query", help="stream a generation from a running `baton serve`")
+    p.add_argument("prompt", nargs="?", default=None)
+    p.add_argument("--target", default="127.0.0.1:8001", help="host:port of the server")
+    p.add_argument("--info", action="store_true", help="print model and server info instead")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ca", default=None, help="CA certificate (PEM) to trust: connects with TLS")
+    p.add_argument("--auth-token-file", default=None, help="bearer token file (else $BATON_AUTH_TOKEN)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=_query)
     return parser
 
 

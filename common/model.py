@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.common.config import ModelConfig
-from baton.common.rope import apply_rotary, inv_frequencies, rotary_cos_sin
+from baton.common.rope import inv_frequencies, rotary_cos_sin
+from baton.kernels import apply_rotary, rms_norm, swiglu
 
 
 class AttentionBackend(Protocol):
@@ -56,10 +57,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 like HF, so low-precision runs match the reference.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -81,8 +79,10 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
-        out = attn(q, k, v, self)
+        t = b * s
+        q, k = apply_rotary(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1),
+                            cos.reshape(t, -1), sin.reshape(t, -1))
+        out = attn(q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1), v, self)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
 
@@ -96,7 +96,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Expert(nn.Module):
@@ -109,7 +109,7 @@ class Expert(nn.Module):
         self.w3 = nn.Linear(hidden_size, intermediate_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
 class MoE(nn.Module):
@@ -161,7 +161,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A plain float32 attribute, not a buffer: model.to(bfloat16) must not round frequencies.
-        self.inv_freq = inv_frequencies(cfg)
+        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         if self.inv_freq.device != positions.device:

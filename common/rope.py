@@ -2,7 +2,8 @@
 
 cos/sin are computed from absolute positions on every forward rather than from a cached table,
 so any position works (StreamingLLM and long-context serving run past max_position_embeddings).
-The layout is HF/Llama's "rotate_half" (non-interleaved), which is what HF checkpoints expect.
+The layout is HF/Llama's "rotate_half" (non-interleaved), which is what HF checkpoints expect;
+applying the rotation is a kernel (baton.kernels.apply_rotary).
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ import math
 
 import torch
 
-from baton.common.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32 on the CPU, after rope_scaling."""
-    dim = cfg.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
-    rs = cfg.rope_scaling or {}
+def inv_frequencies(head_dim: int, rope_theta: float = 10000.0, rope_scaling: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32 on the CPU, after rope_scaling
+    (HF's rope_scaling dict: {"rope_type": "linear"|"llama3", "factor": ..., ...})."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope_theta ** exponents)
+    rs = rope_scaling or {}
     rope_type = rs.get("rope_type", rs.get("type", "default"))
     if rope_type == "linear":
         inv_freq = inv_freq / rs["factor"]
@@ -46,14 +46,3 @@ def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k: [..., heads, head_dim]; cos, sin: [..., head_dim] (broadcast over heads)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -99,7 +99,7 @@ def _paged_decode_kernel(
 
     no_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     if UNIFIED:
-        phi = tl.load(MaxEstimate + heads, mask=h_ok, other=0.0) * 1.4426950408889634
+        phi = tl.load(MaxEstimate + heads, mask=h_ok, other=0.0)  # log2 units, like the scores
         acc, m_i, l_i = _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, phi,
                                        stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
                                        BLOCK_H, BLOCK_D, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, PRECISION)
@@ -116,7 +116,7 @@ def _paged_decode_kernel(
     if DIRECT:
         tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=hd_mask)
     else:
-        part = seq * stride_pb + heads * stride_ph + split * stride_ps
+        part = seq * stride_pb + heads * stride_ph + split * stride_ps  # PartOut is PartLse's shape + [D]
         tl.store(PartOut + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hd_mask)
         tl.store(PartLse + part, m_i + tl.log2(l_i), mask=h_ok)
 
@@ -195,7 +195,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     unified = max_score_estimate is not None
     if unified and not torch.is_tensor(max_score_estimate):
         max_score_estimate = torch.full((num_heads,), float(max_score_estimate), device=q.device)
-    estimate = max_score_estimate.float().contiguous() if unified else context_lens  # placeholder if unused
+    estimate = (max_score_estimate.float() * LOG2E).contiguous() if unified else context_lens  # else unused
 
     out = alloc(q.shape, q.dtype, q.device)
     part_out = alloc((batch, num_heads, plan.num_splits, head_dim), torch.float32, q.device)

@@ -5,14 +5,11 @@ apply_rotary: out = x * cos + rotate_half(x) * sin, i.e. for the two halves x1, 
 with cos/sin [T, D] (= cat(freqs, freqs) per position). One program rotates every head of one token,
 so the token's cos/sin row is loaded once for all heads; math in fp32.
 
-rotary_cos_sin builds the tables; Llama3RopeScaling stretches the low frequencies (long wavelengths)
-by `factor`, keeps the high ones and interpolates in between, as in Llama 3.1.
+The tables themselves (incl. llama3 scaling) come from baton.common.rope, the one place RoPE
+frequencies are defined.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,35 +17,6 @@ import triton.language as tl
 
 from ._utils import alloc, needs_grad, next_pow2, use_triton
 from .reference import rotate_half
-
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-def rope_inv_freq(head_dim: int, base: float = 10000.0, scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
-    """[head_dim / 2] fp32 inverse frequencies base^(-2i / head_dim), llama3-scaled if asked."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-    wavelen = 2 * math.pi / inv_freq
-    old_len = scaling.original_max_position_embeddings
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    smooth = smooth.clamp(0.0, 1.0)  # 0: long wavelengths (scaled), 1: short ones (kept)
-    return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-
-
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float = 10000.0,
-                   scaling: Llama3RopeScaling | None = None, dtype: torch.dtype = torch.float32):
-    """cos, sin [T, head_dim] for integer positions [T] (angles computed in fp32)."""
-    inv_freq = rope_inv_freq(head_dim, base, scaling).to(positions.device)
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from baton.common.model import CausalLM
-from baton.common.rope import rotate_half
+from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention
 from baton.serve.sequence import Sequence
 

@@ -50,24 +50,35 @@ def truncate(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
+def target_distribution(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The distribution a token is drawn from: penalties, temperature, truncation, softmax.
+    Greedy requests get a one-hot at the argmax. Speculative verification uses the same one."""
+    logits = apply_penalties(logits.clone(), seq)
+    if seq.params.greedy:
+        return torch.zeros_like(logits).scatter_(0, torch.argmax(logits).view(1), 1.0)
+    return torch.softmax(truncate(logits / seq.params.temperature, seq), -1)
+
+
+def logprobs_of(logits: torch.Tensor, token: int, k: int | None) -> dict[int, float] | None:
+    """Raw-model logprobs of the chosen token and the top-k alternatives."""
+    if k is None:
+        return None
+    raw = torch.log_softmax(logits, -1)
+    lp = {token: float(raw[token])}
+    if k:
+        top = torch.topk(raw, k)
+        lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
+    return lp
+
+
 def sample_one(logits: torch.Tensor, seq: Sequence) -> SampleResult:
     """logits: [vocab] float32 for one sequence."""
-    p = seq.params
-    raw_logprobs = torch.log_softmax(logits, -1) if p.logprobs is not None else None
-    logits = apply_penalties(logits.clone(), seq)
-    if p.greedy:
-        token = int(torch.argmax(logits))
+    probs = target_distribution(logits, seq)
+    if seq.params.greedy:
+        token = int(torch.argmax(probs))
     else:
-        logits = truncate(logits / p.temperature, seq)
-        probs = torch.softmax(logits, -1)
         token = int(torch.multinomial(probs, 1, generator=seq.generator))
-    lp = None
-    if raw_logprobs is not None:
-        lp = {token: float(raw_logprobs[token])}
-        if p.logprobs:
-            top = torch.topk(raw_logprobs, p.logprobs)
-            lp.update({int(i): float(v) for v, i in zip(top.values, top.indices)})
-    return SampleResult(token, lp)
+    return SampleResult(token, logprobs_of(logits, token, seq.params.logprobs))
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:

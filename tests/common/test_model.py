@@ -88,7 +88,7 @@ def test_moe_routes_each_token_to_top_k_experts():
 def test_rope_llama3_scaling_against_formula():
     cfg = ModelConfig(**CFG, rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
                       "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    inv = inv_frequencies(cfg).double()
+    inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).double()
     base = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).double() / 8)
     for f, b in zip(inv.tolist(), base.tolist()):
         wavelen = 2 * math.pi / b

@@ -8,6 +8,7 @@ import torch
 import baton.kernels as K
 from baton.kernels import (activation, flash_attention, kv_cache, paged_attention, quant_matmul, reference as ref,
                            rmsnorm, rotary, w8a8)
+from baton.common.rope import inv_frequencies, rotary_cos_sin
 
 MODULES = (activation, flash_attention, kv_cache, paged_attention, quant_matmul, rmsnorm, rotary, w8a8)
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -58,7 +59,7 @@ def test_elementwise_and_quant_dispatch(route):
     for got, want in zip(K.rms_norm(x, w, 1e-5, residual=res), ref.rms_norm_ref(x, w, 1e-5, residual=res)):
         torch.testing.assert_close(got, want, **TOL)
     q, k = torch.randn(4, 2, 16), torch.randn(4, 1, 16)
-    cos, sin = K.rotary_cos_sin(torch.arange(4), 16)
+    cos, sin = rotary_cos_sin(inv_frequencies(16), torch.arange(4), torch.float32)
     for got, want in zip(K.apply_rotary(q, k, cos, sin), ref.apply_rotary_ref(q, k, cos, sin)):
         torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(K.swiglu(x, res), ref.swiglu_ref(x, res), **TOL)

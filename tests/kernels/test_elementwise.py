@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from baton.kernels import activation, reference as ref, rmsnorm, rotary
-from baton.kernels import apply_rotary, rms_norm, rotary_cos_sin, swiglu
-from baton.kernels.rotary import Llama3RopeScaling
+from baton.common.rope import inv_frequencies, rotary_cos_sin
+from baton.kernels import apply_rotary, rms_norm, swiglu
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 DTYPES = [torch.float32, torch.float16]
@@ -33,7 +35,7 @@ def test_rotary(dtype, heads, head_dim):
     q = torch.randn(num_tokens, heads[0], head_dim, dtype=dtype)
     k = torch.randn(num_tokens, heads[1], head_dim, dtype=dtype)
     positions = torch.randint(0, 20000, (num_tokens,))
-    cos, sin = rotary_cos_sin(positions, head_dim, base=500000.0, scaling=Llama3RopeScaling(), dtype=dtype)
+    cos, sin = rotary_cos_sin(inv_frequencies(head_dim, 500000.0, LLAMA3), positions, dtype)
     want = ref.apply_rotary_ref(q, k, cos, sin)
     for got in (rotary.apply_rotary_triton(q, k, cos, sin), apply_rotary(q, k, cos, sin)):
         for g, w in zip(got, want):
@@ -44,15 +46,15 @@ def test_rotary_non_contiguous_input():
     """q/k sliced out of a fused QKV projection (a strided view) rotate the same."""
     qkv = torch.randn(6, 4 + 2 + 2, 32)
     q, k = qkv[:, :4], qkv[:, 4:6]
-    cos, sin = rotary_cos_sin(torch.arange(6), 32)
+    cos, sin = rotary_cos_sin(inv_frequencies(32), torch.arange(6), torch.float32)
     got = rotary.apply_rotary_triton(q, k, cos, sin)
     for g, w in zip(got, ref.apply_rotary_ref(q, k, cos, sin)):
         torch.testing.assert_close(g, w, **TOL[torch.float32])
 
 
 def test_llama3_scaling_only_touches_low_frequencies():
-    plain = rotary.rope_inv_freq(128, 500000.0)
-    scaled = rotary.rope_inv_freq(128, 500000.0, Llama3RopeScaling())
+    plain = inv_frequencies(128, 500000.0)
+    scaled = inv_frequencies(128, 500000.0, LLAMA3)
     torch.testing.assert_close(scaled[:10], plain[:10])  # short wavelengths kept
     torch.testing.assert_close(scaled[-10:], plain[-10:] / 8.0)  # long ones divided by factor
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.kernels import quant, reference as ref
-from baton.kernels.rotary import Llama3RopeScaling, rope_inv_freq, rotary_cos_sin
+from baton.common.rope import inv_frequencies, rotary_cos_sin
 
 f64 = torch.float64
 
@@ -115,7 +115,7 @@ def test_rotary_ref_is_complex_rotation():
     """rotate_half layout: (x_i, x_{i+D/2}) is the complex number rotated by positions * inv_freq_i."""
     pos = torch.tensor([0, 3, 17, 1000])
     q, k = torch.randn(4, 3, 16, dtype=f64), torch.randn(4, 1, 16, dtype=f64)
-    cos, sin = rotary_cos_sin(pos, 16, base=500.0, dtype=f64)
+    cos, sin = rotary_cos_sin(inv_frequencies(16, 500.0), pos, f64)
     inv_freq = 1.0 / 500.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
     angle = (pos[:, None].float() * inv_freq[None, :]).double()  # fp32 angles, as the tables are built
     for x, got in zip((q, k), ref.apply_rotary_ref(q, k, cos, sin)):
@@ -127,13 +127,12 @@ def test_llama3_inv_freq_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                original_max_position_embeddings=8192)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    torch.testing.assert_close(rope_inv_freq(128, 500000.0, scaling), want)
+    torch.testing.assert_close(inv_frequencies(128, 500000.0, scaling), want)
 
 
 def test_swiglu_ref():

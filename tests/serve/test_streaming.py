@@ -8,7 +8,8 @@ import torch
 from baton.common.checkpoint import load_checkpoint
 from baton.common.config import ModelConfig
 from baton.common.model import build_model, greedy_generate
-from baton.common.rope import rotary_cos_sin, apply_rotary
+from baton.common.rope import rotary_cos_sin
+from baton.kernels.reference import apply_rotary_ref
 from baton.common.checkpoint import save_model
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ class StreamingReference:
         def attend(q, k, v, layer):
             i = layer.layer_idx
             cos, sin = rotary_cos_sin(self.model.model.inv_freq, positions, q.dtype)
-            unrot_k = apply_rotary(k, k, cos, -sin)[0]  # undo RoPE at the query's own position
+            unrot_k = apply_rotary_ref(k[0], k[0], cos[0], -sin[0])[0][None]  # undo RoPE at the query's position
             self.keys[i].append(unrot_k[0, 0])
             self.values[i].append(v[0, 0])
             n = len(self.keys[i])

@@ -1,0 +1,112 @@
+"""baton.serve.v1.BatonService: streaming generation, tokenization, model and server info."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import aclosing
+from typing import AsyncIterator
+
+import grpc
+from google.protobuf.message import Message
+
+from baton.serve import proto
+from baton.serve.outputs import RequestOutput
+from baton.serve.request_params import from_proto
+from baton.serve.rpc import RpcError, invalid, parse, service_handler
+from baton.serve.runtime import VERSION, Runtime
+
+GenerateRequest, GenerateResponse = proto.baton("GenerateRequest"), proto.baton("GenerateResponse")
+
+
+def generate_response(out: RequestOutput, delta: bool) -> Message:
+    """One streamed message (new text and tokens since the last one) or the whole output."""
+    msg = GenerateResponse(request_id=out.request_id, finished=out.finished)
+    for c in out.outputs:
+        ids = c.delta_token_ids if delta else c.token_ids
+        comp = msg.completions.add(index=c.index, text=c.delta_text if delta else c.text, token_ids=ids,
+                                   finish_reason=c.finish_reason or "")
+        if c.logprobs is not None:
+            for lp in c.logprobs[len(c.logprobs) - len(ids):]:
+                comp.logprobs.add().logprobs.update(lp)
+        if isinstance(c.stop_reason, str):
+            comp.stop_string = c.stop_reason
+        elif c.stop_reason is not None:
+            comp.stop_token_id = c.stop_reason
+    if out.finished:
+        m = out.metrics
+        msg.usage.prompt_tokens = m.num_prompt_tokens
+        msg.usage.completion_tokens = m.num_generated_tokens
+        msg.usage.cached_prompt_tokens = m.num_cached_prompt_tokens
+    return msg
+
+
+class BatonService:
+    def __init__(self, runtime: Runtime):
+        self.rt = runtime
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return service_handler(proto.BATON_SERVICE,
+                               unary={"Tokenize": self.tokenize, "Detokenize": self.detokenize,
+                                      "ModelInfo": self.model_info, "ServerInfo": self.server_info},
+                               server_streaming={"Generate": self.generate})
+
+    async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+        async with self.rt.request("baton.serve.v1.BatonService/Generate", context) as call:
+            req = parse(GenerateRequest, data)
+            self.rt.check_model(req.model)
+            which = req.WhichOneof("prompt")
+            if which is None:
+                raise invalid("prompt: set text or token_ids")
+            prompt = req.text if which == "text" else list(req.token_ids.ids)
+            last = None
+            async with aclosing(self.rt.generate(call, prompt, from_proto(req.sampling), req.priority)) as stream:
+                async for out in stream:
+                    if req.unary:
+                        last = out
+                    else:
+                        yield generate_response(out, delta=True)
+            if last is not None:
+                yield generate_response(last, delta=False)
+
+    def _tokenizer(self):
+        tok = self.rt.llm.tokenizer
+        if tok is None:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: use token ids")
+        return tok
+
+    async def tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        req = parse(proto.baton("TokenizeRequest"), data)
+        self.rt.check_model(req.model)
+        return proto.baton("TokenizeResponse")(token_ids=self._tokenizer().encode(req.text))
+
+    async def detokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        req = parse(proto.baton("DetokenizeRequest"), data)
+        self.rt.check_model(req.model)
+        vocab = self.rt.llm.vocab_size
+        bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
+        text = self._tokenizer().decode(list(req.token_ids), skip_special_tokens=not req.keep_special_tokens)
+        return proto.baton("DetokenizeResponse")(text=text)
+
+    async def model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        req = parse(proto.baton("ModelInfoRequest"), data)
+        self.rt.check_model(req.model)
+        llm = self.rt.llm
+        cfg = llm.model.config
+        weight = next(llm.model.parameters())
+        quant = (cfg.extra.get("quantization_config") or {}).get("quant_method", "none")
+        return proto.baton("ModelInfoResponse")(
+            name=self.rt.model_name, architecture=cfg.model_type or cfg.infer_model_type(),
+            config_json=json.dumps(cfg.to_dict(), sort_keys=True), max_context=llm.max_model_len,
+            dtype=str(weight.dtype).removeprefix("torch."), quantization=quant, speculative_mode="none",
+            vocab_size=llm.vocab_size, kv_block_size=llm.config.block_size,
+            kv_blocks=llm.block_manager.num_blocks, device=str(weight.device))
+
+    async def server_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        parse(proto.baton("ServerInfoRequest"), data)
+        numbers = await asyncio.to_thread(self.rt.engine_numbers)  # waits for the engine lock: off the loop
+        return proto.baton("ServerInfoResponse")(version=VERSION, uptime_s=time.monotonic() - self.rt.started,
+                                                 state=self.rt.state, **(numbers or {}))

@@ -1,0 +1,85 @@
+"""Prometheus metrics for the server, on their own registry and HTTP port.
+
+Per-request numbers (outcomes, TTFT, inter-token latency) are recorded as requests run; engine
+state (queue, batch, KV blocks, prefix hits, preemptions, tokens/s) is read under the engine lock
+at scrape time, so a scrape always sees one consistent engine state.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineCollector:
+    """Scrape-time engine gauges; `read()` returns a dict of engine numbers or None while loading."""
+
+    def __init__(self, read: Callable[[], dict | None], window_s: float = 10.0):
+        self._read = read
+        self._window_s = window_s
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def _tokens_per_s(self, now: float, tokens: int) -> float:
+        self._samples.append((now, tokens))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self._window_s:
+            self._samples.popleft()
+        t0, n0 = self._samples[0]
+        return (tokens - n0) / (now - t0) if now > t0 else 0.0
+
+    def collect(self):
+        s = self._read()
+        if s is None:
+            return
+        gauges = {
+            "baton_queued_calls": ("Generation calls waiting for admission", s["queued_calls"]),
+            "baton_engine_waiting_seqs": ("Sequences in the engine's waiting queue", s["waiting_seqs"]),
+            "baton_running_batch_size": ("Sequences in the running batch", s["running_seqs"]),
+            "baton_swapped_seqs": ("Sequences swapped out to host memory", s["swapped_seqs"]),
+            "baton_prefix_cache_hit_rate": ("Share of prompt tokens served from the prefix cache",
+                                            s["prefix_cache_hit_rate"]),
+            "baton_generation_tokens_per_second": (f"Generated tokens per second over about {self._window_s:g} s",
+                                                   self._tokens_per_s(time.monotonic(), s["generation_tokens"])),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        kv = GaugeMetricFamily("baton_kv_blocks", "KV cache blocks by state", labels=["state"])
+        kv.add_metric(["used"], s["kv_blocks_total"] - s["kv_blocks_free"])
+        kv.add_metric(["free"], s["kv_blocks_free"])
+        yield kv
+        counters = {
+            "baton_preemptions": ("Sequences preempted for lack of KV blocks", s["preemptions"]),
+            "baton_prompt_tokens": ("Prompt tokens processed", s["prompt_tokens"]),
+            "baton_generation_tokens": ("Tokens generated", s["generation_tokens"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, read_engine: Callable[[], dict | None]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("baton_requests", "Finished requests by API and outcome (gRPC status)",
+                                ["api", "outcome"], registry=self.registry)
+        self.ttft = Histogram("baton_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("baton_inter_token_latency_seconds", "Time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(EngineCollector(read_engine))
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; returns the bound port (port 0 picks a free one)."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

@@ -1,0 +1,110 @@
+"""Calibration data from the training corpus, and layer-by-layer execution over it.
+
+Calibration samples come from the *training* split and evaluation (baton.serve.eval) from the
+*validation* split of the same `CorpusConfig`, so they never overlap. The defaults equal the demo
+recipe's data settings (configs/demo.yaml), so the demo model is evaluated on text it never saw.
+Methods that calibrate (GPTQ, AWQ, SmoothQuant) quantize one decoder layer at a time: the inputs of
+layer i are the outputs of the already-quantized layers before it, as in the GPTQ paper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from baton.common.model import CausalLM, DenseCausalAttention, DecoderLayer
+from baton.common.rope import rotary_cos_sin
+from baton.common.tokenizer import Tokenizer
+
+
+class CalibrationError(ValueError):
+    """Calibration data that cannot support the requested quantization."""
+
+
+@dataclass
+class CorpusConfig:
+    """Which text, cut how: the same meaning as train.data.DataConfig (None = embedded corpus)."""
+
+    data: str | None = None
+    seq_len: int = 128
+    val_fraction: float = 0.02
+    seed: int = 1234
+    cache_dir: str | None = None
+
+    def splits(self, tokenizer: Tokenizer):
+        from baton.train.data import DataConfig, build_datasets
+
+        return build_datasets(DataConfig(path=self.data, seq_len=self.seq_len, val_fraction=self.val_fraction,
+                                         seed=self.seed, cache_dir=self.cache_dir), tokenizer)
+
+
+@dataclass
+class CalibrationConfig(CorpusConfig):
+    num_samples: int = 128
+    sample_seed: int = 0  # which training blocks are drawn
+
+
+def calibration_tokens(cfg: CalibrationConfig, tokenizer: Tokenizer) -> torch.Tensor:
+    """[num_samples, seq_len] token ids: a seeded draw of training blocks."""
+    if cfg.num_samples < 1:
+        raise CalibrationError(f"num_samples must be at least 1, got {cfg.num_samples}")
+    train, _ = cfg.splits(tokenizer)
+    if len(train) < cfg.num_samples:
+        raise CalibrationError(f"calibration set too small: {cfg.data or 'the default corpus'} has {len(train)} "
+                               f"training blocks of {cfg.seq_len} tokens, {cfg.num_samples} requested")
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.sample_seed))
+    rows = train.with_format("torch")[order[:cfg.num_samples].sort().values.tolist()]["input_ids"]
+    return rows[:, :cfg.seq_len].long()
+
+
+def check_calibration_size(tokens: torch.Tensor, model: CausalLM) -> None:
+    """Fewer tokens than a layer has inputs make its Hessian / channel statistics rank-deficient."""
+    need = max(model.config.intermediate_size, model.config.hidden_size,
+               model.config.num_attention_heads * model.config.head_dim)
+    if tokens.numel() < need:
+        raise CalibrationError(f"calibration set too small: {tokens.numel()} tokens, fewer than the {need} input "
+                               f"channels of the widest layer; use more or longer samples")
+
+
+class LayerRunner:
+    """Holds the calibration activations between decoder layers and feeds them through one layer."""
+
+    def __init__(self, model: CausalLM, tokens: torch.Tensor, batch_size: int = 16):
+        p = model.model.embed_tokens.weight
+        tokens = tokens.to(p.device)
+        self.batch_size = batch_size
+        with torch.no_grad():
+            self.x = model.model.embed_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=p.device)[None]
+        self.cos, self.sin = rotary_cos_sin(model.model.inv_freq.to(p.device), positions, p.dtype)
+
+    @torch.no_grad()
+    def run(self, layer: DecoderLayer) -> torch.Tensor:
+        """The layer's outputs for every sample, in batches (hooks on its modules see each batch)."""
+        return torch.cat([layer(x, self.cos, self.sin, DenseCausalAttention()) for x in self.x.split(self.batch_size)])
+
+    def advance(self, layer: DecoderLayer) -> None:
+        self.x = self.run(layer)
+
+
+@contextlib.contextmanager
+def on_inputs(modules: dict[str, nn.Module], fn: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call fn(name, input) on every forward of each module while the block runs."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: fn(name, args[0])) for name, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def collect_inputs(runner: LayerRunner, layer: DecoderLayer, modules: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    """Every input row [tokens, in_features] each module sees while the layer runs on the calibration set."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in modules}
+    with on_inputs(modules, lambda name, x: seen[name].append(x.reshape(-1, x.shape[-1]).float())):
+        runner.run(layer)
+    return {n: torch.cat(v) for n, v in seen.items()}

@@ -1,0 +1,91 @@
+"""Sampling parameters from the wire (protobuf or Triton's JSON) into the engine's SamplingParams.
+
+Both paths end in SamplingParams.validate, so a bad value gets the engine's own message, which
+names the field. Unknown JSON keys and wrongly typed values are refused here, by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+from google.protobuf.message import Message
+
+from baton.serve.rpc import invalid
+from baton.serve.sampling_params import SamplingParams
+
+_HINTS = typing.get_type_hints(SamplingParams)
+_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _checked(kwargs: dict, where: str) -> SamplingParams:
+    params = SamplingParams(**kwargs)
+    try:
+        params.validate()
+    except ValueError as e:
+        raise invalid(f"{where}: {e}") from None
+    return params
+
+
+def from_proto(msg: Message) -> SamplingParams:
+    """Set fields only: an unset optional keeps the engine's default."""
+    kwargs = {f.name: list(v) if f.name in ("stop", "stop_token_ids") else v for f, v in msg.ListFields()}
+    return _checked(kwargs, "sampling")
+
+
+def _coerce(key: str, value):
+    """JSON value -> the field's type. Triton clients often send numbers as strings: accept those."""
+    hint = _HINTS[key]
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)  # X | None -> X
+    if typing.get_origin(base) is list:
+        item = typing.get_args(base)[0]
+        if not isinstance(value, list):
+            value = [value]
+        return [_scalar(key, v, item) for v in value]
+    if value is None and base is not hint:
+        return None
+    return _scalar(key, value, base)
+
+
+def _scalar(key: str, value, typ: type):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+    elif typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif typ is str and isinstance(value, str):
+        return value
+    raise invalid(f"sampling_parameters.{key}: expected {typ.__name__}, got {value!r}")
+
+
+def from_json(text: str) -> SamplingParams:
+    """Triton's `sampling_parameters` input: a JSON object of vLLM-named fields."""
+    try:
+        obj = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise invalid(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise invalid(f"sampling_parameters must be a JSON object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise invalid(f"sampling_parameters: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
+    return _checked({k: _coerce(k, v) for k, v in obj.items()}, "sampling_parameters")

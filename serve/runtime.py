@@ -1,0 +1,178 @@
+"""What every service shares: the engine, the server's state, limits, and per-request accounting.
+
+All generation goes through `Runtime.generate`, whichever protocol the request came in on, so
+limits, admission, metrics and the one log line per request are the same for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import AsyncIterator
+
+import grpc
+
+from baton.serve.admission import Admission
+from baton.serve.async_engine import AsyncLLMEngine, EngineDeadError
+from baton.serve.engine import LLMEngine
+from baton.serve.metrics import ServerMetrics
+from baton.serve.outputs import RequestOutput
+from baton.serve.rpc import RpcError, invalid, status_of
+from baton.serve.sampling_params import SamplingParams
+
+log = logging.getLogger("baton.serve.requests")
+
+try:
+    VERSION = version("baton")
+except PackageNotFoundError:  # running from a tree that was never installed
+    VERSION = "0+unknown"
+
+
+@dataclass
+class Limits:
+    max_concurrent: int = 64  # generation calls in the engine at once
+    max_queued: int = 256  # calls waiting for one of those slots; beyond: RESOURCE_EXHAUSTED
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_output_tokens: int = 1024  # per sample (sampling max_tokens)
+    max_message_bytes: int = 4 * 2**20  # largest request or response message
+
+
+@dataclass
+class Call:
+    """One generation request's accounting, for its log line and the metrics."""
+
+    api: str
+    request_id: str
+    peer: str
+    start: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+
+def _ms(t: float | None, since: float) -> str:
+    return "-" if t is None else f"{(t - since) * 1e3:.1f}"
+
+
+class Runtime:
+    def __init__(self, model_name: str, limits: Limits):
+        self.model_name = model_name
+        self.limits = limits
+        self.state = "loading"  # -> "serving" -> "draining"
+        self.engine: AsyncLLMEngine | None = None
+        self.admission = Admission(limits.max_concurrent, limits.max_queued)
+        self.metrics = ServerMetrics(self.engine_numbers)
+        self.started = time.monotonic()
+        self._ids = itertools.count()
+        self._id_prefix = f"{os.getpid():x}"
+
+    # ------------------------------------------------------------------------------ checks
+    def check_model(self, name: str, version: str = "") -> None:
+        """Empty name means the served model; anything else must match it."""
+        if name and name != self.model_name:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; this server serves {self.model_name!r}")
+        if version not in ("", "1"):
+            raise RpcError(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} has no version {version!r} (only '1')")
+
+    @property
+    def llm(self) -> LLMEngine:
+        if self.engine is None:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return self.engine.engine
+
+    def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Prompt token ids after every check, or RpcError naming what is wrong."""
+        if params.max_tokens > self.limits.max_output_tokens:
+            raise invalid(f"max_tokens is {params.max_tokens}; this server allows at most "
+                          f"{self.limits.max_output_tokens} (--max-output-tokens)")
+        ids = self.llm.validate_request(prompt, params)  # ValueError -> INVALID_ARGUMENT
+        if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
+            raise invalid(f"prompt has {len(ids)} tokens; this server allows at most "
+                          f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
+        return ids
+
+    # ------------------------------------------------------------------------------ generation
+    @asynccontextmanager
+    async def request(self, api: str, context: grpc.aio.ServicerContext) -> AsyncIterator[Call]:
+        """Accounts for one generation request, parsing included: metrics and one log line."""
+        call = Call(api, f"{self._id_prefix}-{next(self._ids)}", context.peer())
+        outcome = "ok"
+        try:
+            yield call
+        except (asyncio.CancelledError, GeneratorExit):
+            remaining = context.time_remaining()
+            outcome = "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
+            raise
+        except EngineDeadError:
+            outcome = "internal"
+            self.state = "draining"  # refuse new work: the process must be restarted
+            raise
+        except Exception as e:
+            outcome = status_of(e)[0].name.lower()
+            raise
+        finally:
+            self._finish(call, outcome)
+
+    async def generate(self, call: Call, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Check, wait for admission, then stream the engine's outputs (closing early aborts)."""
+        ids = self.prepare(prompt, params)
+        call.prompt_tokens = len(ids)
+        async with self.admission.slot():
+            call.admitted = time.monotonic()
+            async with aclosing(self.engine.generate(ids, params, call.request_id, priority)) as stream:
+                async for out in stream:
+                    self._observe(call, out)
+                    yield out
+
+    def _observe(self, call: Call, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if any(c.delta_token_ids for c in out.outputs):
+            if call.first_token is None:
+                call.first_token = now
+                self.metrics.ttft.observe(now - call.start)
+            else:
+                self.metrics.itl.observe(now - call.last_token)
+            call.last_token = now
+        m = out.metrics
+        call.cached_tokens, call.output_tokens = m.num_cached_prompt_tokens, m.num_generated_tokens
+
+    def _finish(self, call: Call, outcome: str) -> None:
+        self.metrics.requests.labels(call.api, outcome).inc()
+        log.info("request id=%s api=%s model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d "
+                 "queue_ms=%s ttft_ms=%s total_ms=%.1f peer=%s", call.request_id, call.api, self.model_name, outcome,
+                 call.prompt_tokens, call.cached_tokens, call.output_tokens, _ms(call.admitted, call.start),
+                 _ms(call.first_token, call.start), (time.monotonic() - call.start) * 1e3, call.peer)
+
+    def reject(self, api: str, code: grpc.StatusCode, peer: str, why: str) -> None:
+        """Account for a call refused before any handler ran (auth, loading, draining)."""
+        self.metrics.requests.labels(api, code.name.lower()).inc()
+        log.info("request id=- api=%s model=%s outcome=%s peer=%s reason=%r", api, self.model_name,
+                 code.name.lower(), peer, why)
+
+    # ------------------------------------------------------------------------------ state
+    def engine_numbers(self) -> dict | None:
+        """Queue, batch and KV numbers, read under the engine lock (None while loading)."""
+        if self.engine is None:
+            return None
+
+        def read(e: LLMEngine) -> dict:
+            bm, sched = e.block_manager, e.scheduler
+            return dict(engine_requests=len(e.requests), waiting_seqs=len(sched.waiting),
+                        running_seqs=len(sched.running), swapped_seqs=len(sched.swapped),
+                        kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+                        prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sched.num_preemptions,
+                        prompt_tokens=e.stats["prompt_tokens"], generation_tokens=e.stats["generation_tokens"])
+
+        numbers = self.engine.snapshot(read)
+        numbers.update(active_calls=self.admission.running, queued_calls=self.admission.queued)
+        return numbers

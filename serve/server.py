@@ -1,0 +1,159 @@
+"""`baton serve`: the gRPC server — Baton's API, KServe v2, health, reflection, Prometheus metrics.
+
+Life cycle: bind and answer health NOT_SERVING -> load the model -> SERVING -> on SIGTERM/SIGINT
+drain: health NOT_SERVING, new calls UNAVAILABLE, in-flight streams run to completion for up
+to the drain timeout (then they are cancelled, which frees their KV blocks) -> exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from baton.common.config import DTYPES
+from baton.serve import proto
+from baton.serve.async_engine import AsyncLLMEngine
+from baton.serve.baton_service import BatonService
+from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.gate import Gate
+from baton.serve.kserve import KServeService
+from baton.serve.runtime import Limits, Runtime
+
+log = logging.getLogger(__name__)
+SERVICES = (proto.BATON_SERVICE, proto.KSERVE_SERVICE)
+
+
+@dataclass
+class ServerConfig:
+    model: str  # checkpoint directory
+    model_name: str | None = None  # default: the directory's name
+    host: str = "127.0.0.1"  # loopback unless widened on purpose
+    port: int = 8001  # 0: any free port (logged)
+    metrics_port: int | None = 8002  # None: no metrics endpoint
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    auth_token: str | None = None  # clients send metadata `authorization: Bearer <token>`
+    drain_timeout_s: float = 30.0
+    device: str = "cpu"
+    dtype: str | None = None  # float32 | float16 | bfloat16; default: the checkpoint's
+    limits: Limits = field(default_factory=Limits)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def validate(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and a key file")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.drain_timeout_s < 0:
+            raise ValueError("the drain timeout must be >= 0 seconds")
+
+
+class BatonServer:
+    """One server; `engine` may be passed in (tests, benchmarks) instead of loaded from config.model."""
+
+    def __init__(self, config: ServerConfig, engine: AsyncLLMEngine | None = None):
+        config.validate()
+        self.config = config
+        self.rt = Runtime(config.model_name or Path(config.model).resolve().name, config.limits)
+        self._engine = engine
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *SERVICES):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        """Bind and answer (NOT_SERVING) before the model is loaded, so probes see us loading."""
+        cfg, size = self.config, self.config.limits.max_message_bytes
+        server = grpc.aio.server(interceptors=[Gate(self.rt, cfg.auth_token)],
+                                 options=[("grpc.max_receive_message_length", size),
+                                          ("grpc.max_send_message_length", size)])
+        server.add_generic_rpc_handlers((BatonService(self.rt).handler(), KServeService(self.rt).handler()))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
+                                            pool=proto.pool())
+        await self._set_health(False)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert:
+            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
+            self.port = server.add_secure_port(address, creds)
+        else:
+            self.port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        if cfg.metrics_port is not None:
+            self.metrics_port = self.rt.metrics.serve(cfg.host, cfg.metrics_port)
+        log.info("listening on %s:%d (%s), not serving until the model is loaded", cfg.host, self.port,
+                 "TLS" if cfg.tls_cert else "plaintext")
+
+    async def load(self) -> None:
+        cfg = self.config
+        if self._engine is None:
+            t0 = time.monotonic()
+            dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+            llm = await asyncio.to_thread(LLMEngine.from_checkpoint, cfg.model, cfg.engine, cfg.device, dtype)
+            self._engine = AsyncLLMEngine(llm)
+            log.info("loaded %s in %.1f s", cfg.model, time.monotonic() - t0)
+        self.rt.engine = self._engine
+        self.rt.state = "serving"
+        await self._set_health(True)
+        metrics = f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
+        log.info("ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s", self.rt.model_name, cfg.host, self.port,
+                 "on" if cfg.tls_cert else "off", "on" if cfg.auth_token else "off", metrics)
+
+    async def drain_and_stop(self) -> None:
+        """Refuse new work, let in-flight requests finish (up to the drain timeout), then stop."""
+        self.rt.state = "draining"
+        await self.health.enter_graceful_shutdown()
+        adm = self.rt.admission
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        if adm.active:
+            log.info("draining: %d requests in flight, waiting up to %.0f s", adm.active, self.config.drain_timeout_s)
+        while adm.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if adm.active:
+            log.warning("drain timeout: cancelling %d requests still in flight", adm.active)
+        if self._server is not None:
+            await self._server.stop(grace=0.5)
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
+        self.rt.metrics.close()
+        log.info("stopped")
+
+
+async def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
+    server = BatonServer(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    loading, stopping = asyncio.create_task(server.load()), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done():
+            loading.result()  # a checkpoint that fails to load ends the process with its error
+            await stopping
+        log.info("shutting down (signal received)")
+    finally:
+        loading.cancel()
+        stopping.cancel()
+        await server.drain_and_stop()
+    return 0
+
+
+def run(config: ServerConfig) -> int:
+    return asyncio.run(serve(config))

@@ -3,17 +3,31 @@
 One step packs every scheduled sequence into a single row of tokens: first the decodes (one new
 token each), then the prefill chunks. For each layer the backend scatters the new K/V into the
 paged pools (slot mapping), then runs paged decode attention for the decodes and prefix-aware
-attention for the chunks, through baton.kernels' dispatch (Triton on CUDA, torch on CPU).
+attention for the chunks, through baton.kernels' dispatch (Triton on CUDA, torch on CPU). Speculative token trees are
+verified last, each node attending to the cached prefix and its own ancestors (torch SDPA with
+a tree mask on every device: trees are small).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from baton.common.model import Attention
 from baton.kernels import flash_attn_with_paged_prefix, paged_attention_decode, reshape_and_cache
+
+
+@dataclass
+class TreeGroup:
+    """One sequence's speculative token tree, verified in one pass (SpecInfer / Medusa)."""
+
+    row: int  # first row (the last real token, the root) in the packed batch
+    size: int  # root + proposals
+    block_table: list[int]
+    prefix_len: int  # tokens cached before the root
+    depth: list[int]  # per row; root 0
+    mask: torch.Tensor  # [size, size] bool: each node sees itself and its ancestors
 
 
 @dataclass
@@ -27,6 +41,7 @@ class AttentionMetadata:
     prefill_prefix_lens: torch.Tensor  # [num_prefills] int32: tokens already cached before the chunk
     max_prefill_len: int
     window_in_cache: bool = True  # False for StreamingLLM: the cache itself is the window
+    trees: list[TreeGroup] = field(default_factory=list)
 
     @property
     def num_prefills(self) -> int:
@@ -47,11 +62,32 @@ class PagedAttention:
         window = layer.sliding_window if md.window_in_cache else None
         out = torch.empty_like(q)
         nd = md.num_decodes
+        for tree in md.trees:
+            r = slice(tree.row, tree.row + tree.size)
+            out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window)
         if nd:
             out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
                                               softmax_scale=layer.scaling, sliding_window=window)
         if md.num_prefills:
-            out[nd:] = flash_attn_with_paged_prefix(q[nd:], k[nd:], v[nd:], md.prefill_cu_seqlens, k_cache, v_cache,
+            end = nd + int(md.prefill_cu_seqlens[-1])
+            out[nd:end] = flash_attn_with_paged_prefix(q[nd:end], k[nd:end], v[nd:end], md.prefill_cu_seqlens, k_cache, v_cache,
                                                     md.prefill_block_tables, md.prefill_prefix_lens, md.max_prefill_len,
                                                     causal=True, sliding_window=window, softmax_scale=layer.scaling)
         return out.unsqueeze(0)
+
+
+def tree_attention(q, k, v, k_cache, v_cache, tree: TreeGroup, scale: float, window: int | None) -> torch.Tensor:
+    """Tree nodes attend to the cached prefix and to their own ancestors (torch path)."""
+    blocks = torch.tensor(tree.block_table, device=q.device)
+    kp = k_cache[blocks].flatten(0, 1)[:tree.prefix_len]
+    vp = v_cache[blocks].flatten(0, 1)[:tree.prefix_len]
+    keys, vals = torch.cat([kp, k]), torch.cat([vp, v])
+    mask = torch.cat([torch.ones(tree.size, tree.prefix_len, dtype=torch.bool, device=q.device), tree.mask.to(q.device)], 1)
+    if window is not None:
+        depth = torch.tensor(tree.depth, device=q.device)
+        q_idx = tree.prefix_len + depth
+        k_idx = torch.cat([torch.arange(tree.prefix_len, device=q.device), tree.prefix_len + depth])
+        mask &= (q_idx[:, None] - k_idx[None, :]) < window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)

@@ -170,6 +170,14 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Free blocks past the computed tokens (slots of rejected speculative tokens)."""
+        keep = -(-(seq.num_computed_tokens - seq.num_evicted_tokens) // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._unref(block_id)
+        del seq.block_table[keep:]
+        seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares all of parent's blocks; whoever writes a shared block first copies it."""
         child.block_table = list(parent.block_table)

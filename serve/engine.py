@@ -15,17 +15,18 @@ from pathlib import Path
 import psutil
 import torch
 
-from baton.common.checkpoint import load_checkpoint
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.model_runner import ModelRunner, kv_block_bytes
 from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from baton.serve.sampler import sample
+from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
+from baton.serve.sampler import SampleResult, logprobs_of, sample, target_distribution
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig
+from baton.serve.scheduler import Scheduler, SchedulerConfig, clear_speculation
 from baton.serve.sequence import Sequence, SequenceStatus
+from baton.serve.speculative import AdaptiveK, SpecStats, SpeculativeConfig, chain_parents, choose, make_proposer
 from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class EngineConfig:
     streaming_sink_tokens: int | None = None  # set both streaming_* to enable StreamingLLM
     streaming_window_tokens: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     @property
     def streaming(self) -> bool:
@@ -62,7 +64,8 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
+                 model_dir: str | Path | None = None):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
@@ -86,6 +89,15 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.spec_config = config.speculative
+        self.spec_stats = SpecStats()
+        self.proposer = None
+        if self.spec_config is not None:
+            if config.streaming:
+                raise ValueError("speculative decoding and StreamingLLM cannot be combined")
+            self.proposer = make_proposer(self.spec_config, model_dir, mcfg.vocab_size, p.device, p.dtype)
+        self.adaptive_k = AdaptiveK(self.spec_config.num_speculative_tokens if self.spec_config else 0,
+                                    bool(self.spec_config and self.spec_config.adaptive))
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
                  num_blocks, config.block_size, num_blocks * block_bytes / 2**20, num_host,
                  "on" if prefix_caching else "off",
@@ -95,9 +107,9 @@ class LLMEngine:
     @classmethod
     def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None, device: str = "cpu",
                         dtype: torch.dtype | None = None) -> "LLMEngine":
-        ckpt = load_checkpoint(path, device=device, dtype=dtype)
+        ckpt = load_model(path, device=device, dtype=dtype)
         tok = Tokenizer.from_dir(path) if ckpt.tokenizer_path else None
-        return cls(ckpt.model, tok, config)
+        return cls(ckpt.model, tok, config, model_dir=path)
 
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
         budget = self.config.kv_cache_bytes
@@ -171,6 +183,9 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
+            if self.proposer is not None:
+                self.proposer.release(seq)
+                self.adaptive_k.forget(seq)
         del self.requests[request_id]
         return self._output(req, final=True)
 
@@ -179,6 +194,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
@@ -188,26 +205,39 @@ class LLMEngine:
         self.runner.apply_block_ops(*self.block_manager.take_pending(), rerotations=list(rerot))
         rerot.clear()
         positions_in_cache = bool(self.eviction and self.eviction.positions_in_cache)
-        logits, sampled = self.runner.execute(sched.scheduled, positions_in_cache, window_in_cache=not positions_in_cache)
+        want_hidden = getattr(self.proposer, "wants_hidden", False)
+        result = self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
+        logits, groups = result[0], result[1]
+        hidden = result[2] if want_hidden else None
         self.stats["steps"] += 1
         for seq, n in sched.scheduled:
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
-            if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                self.stats["prompt_tokens"] += n
+            if not seq.spec_token_ids:  # speculative steps advance in _verify, by what is accepted
+                seq.num_computed_tokens += n
+                self.block_manager.register_full_blocks(seq)
+                if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                    self.stats["prompt_tokens"] += n
         touched: dict[str, _Request] = {}
         now = time.monotonic()
-        rows, targets = [], []
-        for row, seq in enumerate(sampled):
+        rows, targets, row = [], [], 0
+        for seq, nrows in groups:
             req = self.requests[seq.request_id]
-            group = [seq]
-            if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
-                group += self._fork(req, seq)
-            rows += [row] * len(group)
-            targets += group
             touched[req.request_id] = req
-        for seq, result in zip(targets, sample(logits[rows], targets)):
-            self._append(self.requests[seq.request_id], seq, result, now)
+            if seq.spec_token_ids:
+                last = self._verify(req, seq, logits[row:row + nrows], now)
+                if hidden is not None and not seq.is_finished:
+                    self.proposer.observe(seq, hidden[row + last])
+            else:
+                group = [seq]
+                if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
+                    group += self._fork(req, seq)
+                rows += [row] * len(group)
+                targets += group
+                if hidden is not None:
+                    for s in group:
+                        self.proposer.observe(s, hidden[row])
+            row += nrows
+        for seq, res in zip(targets, sample(logits[rows], targets)):
+            self._append(self.requests[seq.request_id], seq, res, now)
         outputs = []
         for req in touched.values():
             done = all(s.is_finished for s in req.seqs)
@@ -215,6 +245,57 @@ class LLMEngine:
             if done:
                 del self.requests[req.request_id]
         return outputs
+
+    # ------------------------------------------------------------------------------ speculation
+    def _propose(self) -> None:
+        decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        limit = self.spec_config.disable_above_batch
+        if not decoding or (limit is not None and len(self.scheduler.running) > limit):
+            return
+        budget = self.max_model_len - 1
+        ks = {s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1,
+                            budget - s.num_tokens) for s in decoding}
+        ready = [s for s in decoding if ks[s.seq_id] > 0]
+        if ready:
+            self.proposer.propose(ready, ks)
+
+    def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor, now: float) -> int:
+        """Accept the longest verified path of the proposal chain/tree; returns the row whose
+        logits gave the last token (Medusa reads its hidden state)."""
+        proposals = seq.spec_token_ids
+        parents = seq.spec_parents if seq.spec_parents is not None else chain_parents(len(proposals))
+        draft_probs = seq.spec_draft_probs
+        clear_speculation(seq)
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        logits = logits.float().cpu()
+        root_slot_index = seq.num_computed_tokens - seq.num_evicted_tokens
+        seq.num_computed_tokens += 1  # the last real token's K/V is now cached
+        node, path = -1, []
+        while True:
+            kids = children.get(node, [])
+            p = target_distribution(logits[node + 1], seq)
+            q = draft_probs[kids] if draft_probs is not None and kids else None
+            token, idx = choose(p, [proposals[i] for i in kids], q, seq.generator, seq.params.greedy)
+            self._append(req, seq, SampleResult(token, logprobs_of(logits[node + 1], token, seq.params.logprobs)), now)
+            if idx < 0 or seq.is_finished:
+                break
+            node = kids[idx]
+            path.append(node)
+            seq.num_computed_tokens += 1  # the accepted proposal's K/V is valid
+        self.spec_stats.steps += 1
+        self.spec_stats.proposed += len(proposals)
+        self.spec_stats.accepted += len(path)
+        self.adaptive_k.update(seq, len(proposals), len(path))
+        if not seq.is_finished:
+            bs = self.block_manager.block_size
+            slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731
+            moves = [(root_slot_index + 1 + n, root_slot_index + 1 + d) for d, n in enumerate(path) if n != d]
+            self.runner.move_slots([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
+            self.block_manager.trim(seq)
+            self.block_manager.register_full_blocks(seq)
+        return node + 1
 
     def _fork(self, req: _Request, parent: Sequence) -> list[Sequence]:
         """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
@@ -269,6 +350,9 @@ class LLMEngine:
         return False
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        if self.proposer is not None:
+            self.proposer.release(seq)
+            self.adaptive_k.forget(seq)
         detok = self.requests[seq.request_id].detoks[seq.index]
         if detok is not None and not isinstance(stop_reason, str):  # stop strings already cut the text
             detok.flush()

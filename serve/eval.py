@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from baton.common.checkpoint import CheckpointError
 from baton.common.model import CausalLM, greedy_generate
 from baton.common.tokenizer import Tokenizer
 from baton.serve.quantization.calibration import CorpusConfig
@@ -124,3 +126,20 @@ def evaluate(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference: 
         result.reference_perplexity = perplexity(reference, tokens, cfg).perplexity
         result.greedy_match = greedy_match(model, reference, tokens, cfg)
     return result
+
+
+def evaluate_checkpoint(path: str | Path, cfg: EvalConfig, reference: str | Path | None = None) -> EvalResult:
+    """`baton eval`: load (float or quantized) checkpoints, evaluate on the held-out text."""
+    from baton.serve.quantization.loader import load_model
+    from baton.train.data import DataConfig
+
+    DataConfig(path=cfg.data, seq_len=cfg.seq_len)  # validates the data path before loading anything
+    for p in (path, reference):
+        if p is not None and not (Path(p) / "config.json").is_file():
+            raise CheckpointError(f"{p} is not a checkpoint directory (no config.json)")
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise CheckpointError(f"{path} has no tokenizer.json: evaluation tokenizes text with the model's tokenizer")
+    model = load_model(path).model.eval()
+    ref = load_model(reference).model.eval() if reference is not None else None
+    tokens = heldout_tokens(cfg, Tokenizer.from_dir(path))
+    return evaluate(model, tokens, cfg, ref)

@@ -68,10 +68,9 @@ class KServeService:
         return fill_response(ModelInferResponse(model_name=self.rt.model_name, model_version="1", id=req.id),
                              texts, final)
 
-    async def _run(self, call: Call, data: bytes, streaming_rpc: bool
-                   ) -> AsyncIterator[tuple[Message, LLMRequest, list[str], bool]]:
-        """(request, its parse, texts, finished) per step when streaming, else once with the whole text."""
-        req = parse(ModelInferRequest, data)
+    async def _run(self, call: Call, req: Message, streaming_rpc: bool
+                   ) -> AsyncIterator[tuple[LLMRequest, list[str], bool]]:
+        """(parsed request, texts, finished) per step when streaming, else once with the whole text."""
         self.rt.check_model(req.model_name, req.model_version)
         r = parse_llm_request(req)
         if r.stream and not streaming_rpc:
@@ -81,25 +80,27 @@ class KServeService:
         async with aclosing(self.rt.generate(call, r.prompt, r.params)) as stream:
             async for out in stream:
                 if r.stream:
-                    yield req, r, [prefix + c.delta_text for c in out.outputs], out.finished
+                    yield r, [prefix + c.delta_text for c in out.outputs], out.finished
                     prefix = ""
                 last = out
         if not r.stream:
-            yield req, r, [prefix + c.text for c in last.outputs], True
+            yield r, [prefix + c.text for c in last.outputs], True
 
     async def model_infer(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         async with self.rt.request("inference.GRPCInferenceService/ModelInfer", context) as call:
-            async with aclosing(self._run(call, data, streaming_rpc=False)) as steps:
-                async for req, _, texts, _ in steps:
+            req = parse(ModelInferRequest, data)
+            async with aclosing(self._run(call, req, streaming_rpc=False)) as steps:
+                async for _, texts, _ in steps:
                     return self._response(req, texts, None)
 
     async def _stream_one(self, data: bytes, context: grpc.aio.ServicerContext, out: asyncio.Queue) -> None:
         req_id = ""
         try:
             async with self.rt.request("inference.GRPCInferenceService/ModelStreamInfer", context) as call:
-                async with aclosing(self._run(call, data, streaming_rpc=True)) as steps:
-                    async for req, r, texts, finished in steps:
-                        req_id = req.id
+                req = parse(ModelInferRequest, data)
+                req_id = req.id
+                async with aclosing(self._run(call, req, streaming_rpc=True)) as steps:
+                    async for r, texts, finished in steps:
                         if any(texts) or (finished and not r.empty_final):
                             resp = self._response(req, texts, finished and not r.empty_final)
                             out.put_nowait(StreamResponse(infer_response=resp))

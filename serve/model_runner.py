@@ -6,7 +6,7 @@ import torch
 
 from baton.common.model import CausalLM
 from baton.kernels.reference import rotate_half
-from baton.serve.attention import AttentionMetadata, PagedAttention
+from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
 from baton.serve.sequence import Sequence
 
 
@@ -62,27 +62,40 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ one step
     def prepare(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool, window_in_cache: bool):
-        """Pack decodes then prefill chunks; return (ids, positions, metadata, rows to sample)."""
+        """Pack decodes, then prefill chunks (and speculative chains), then speculative trees.
+        Returns (ids, positions, metadata, [(seq, rows to sample)])."""
         bs = self.block_size
-        order = [x for x in scheduled if x[1] == 1] + [x for x in scheduled if x[1] > 1]
-        ids, positions, slots, sample_rows = [], [], [], []
-        dec_tables, dec_lens, pre_tables, pre_prefix, cu = [], [], [], [], [0]
+        trees = [x for x in scheduled if x[0].spec_parents is not None]
+        chains = [x for x in scheduled if x[0].spec_parents is None]
+        order = [x for x in chains if x[1] == 1] + [x for x in chains if x[1] > 1] + trees
+        ids, positions, slots, sample = [], [], [], []
+        dec_tables, dec_lens, pre_tables, pre_prefix, cu, tree_md = [], [], [], [], [0], []
         for seq, n in order:
             start = seq.num_computed_tokens
             first_cached = start - seq.num_evicted_tokens  # index of this chunk's first token in the cache
-            ids += seq.token_ids[start:start + n]
-            positions += range(first_cached, first_cached + n) if positions_in_cache else range(start, start + n)
+            row0 = len(ids)
+            ids += (seq.token_ids + seq.spec_token_ids)[start:start + n]
+            base = first_cached if positions_in_cache else start
+            if seq.spec_parents is not None:
+                depth = tree_depths(seq.spec_parents)
+                positions += [base] + [base + d for d in depth]
+                tree_md.append(TreeGroup(row0, n, seq.block_table, first_cached, [0] + depth,
+                                         ancestor_mask(seq.spec_parents)))
+            else:
+                positions += range(base, base + n)
             for c in range(first_cached, first_cached + n):
                 slots.append(seq.block_table[c // bs] * bs + c % bs)
-            if n == 1:
+            if seq.spec_parents is None and n == 1:
                 dec_tables.append(seq.block_table)
                 dec_lens.append(first_cached + 1)
-            else:
+            elif seq.spec_parents is None:
                 pre_tables.append(seq.block_table)
                 pre_prefix.append(first_cached)
                 cu.append(cu[-1] + n)
-            if start + n == seq.num_tokens:
-                sample_rows.append((len(ids) - 1, seq))
+            if seq.spec_token_ids:
+                sample.append((seq, list(range(row0, row0 + n))))  # every proposal is checked
+            elif start + n == seq.num_tokens:
+                sample.append((seq, [len(ids) - 1]))
         dev = self.device
 
         def table(rows: list[list[int]]) -> torch.Tensor:
@@ -99,21 +112,54 @@ class ModelRunner:
             prefill_prefix_lens=torch.tensor(pre_prefix, dtype=torch.int32, device=dev),
             max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
             window_in_cache=window_in_cache,
+            trees=tree_md,
         )
         input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
         pos = torch.tensor([positions], dtype=torch.long, device=dev)
-        return input_ids, pos, md, sample_rows
+        return input_ids, pos, md, sample
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool = False,
-                window_in_cache: bool = True) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the step; return logits [num_sampled, vocab] and the sequences they belong to."""
-        input_ids, positions, md, sample_rows = self.prepare(scheduled, positions_in_cache, window_in_cache)
+                window_in_cache: bool = True, return_hidden: bool = False):
+        """Run the step; return logits [rows, vocab], [(seq, its rows)], and (optionally) the
+        final hidden states of those rows (for Medusa heads)."""
+        input_ids, positions, md, sample = self.prepare(scheduled, positions_in_cache, window_in_cache)
         self.attn.metadata = md
         try:
             hidden = self.model.hidden(input_ids, positions, attn=self.attn)[0]
         finally:
             self.attn.metadata = None
-        rows = torch.tensor([r for r, _ in sample_rows], dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]) if len(sample_rows) else hidden.new_zeros(0, self.model.config.vocab_size)
-        return logits, [s for _, s in sample_rows]
+        rows = torch.tensor([r for _, rs in sample for r in rs], dtype=torch.long, device=self.device)
+        picked = hidden[rows]
+        logits = self.model.compute_logits(picked)
+        groups = [(seq, len(rs)) for seq, rs in sample]
+        return (logits, groups, picked) if return_hidden else (logits, groups)
+
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""
+        if not src:
+            return
+        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[d] = flat[s].clone()
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth (1 = child of the last real token) of each proposal; parents precede children."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n+1, n+1] bool: row i may attend column j iff j is i or an ancestor (row/col 0 = root)."""
+    n = len(parents) + 1
+    mask = torch.eye(n, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents, start=1):
+        if p >= 0:
+            mask[i] |= mask[p + 1]
+    return mask

@@ -17,6 +17,16 @@ from baton.serve.sequence import Sequence, SequenceStatus
 from baton.serve.streaming import EvictionPolicy
 
 
+def clear_speculation(seq: Sequence, keep: int = 0) -> None:
+    """Drop proposals beyond the first `keep` (a tree is kept whole or dropped)."""
+    if keep == 0 or seq.spec_parents is not None:
+        seq.spec_token_ids, seq.spec_parents, seq.spec_draft_probs = [], None, None
+    else:
+        del seq.spec_token_ids[keep:]
+        if seq.spec_draft_probs is not None:
+            seq.spec_draft_probs = seq.spec_draft_probs[:keep]
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 64
@@ -136,12 +146,18 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
+        if seq.spec_token_ids:  # speculative proposals ride along with the decode, budget permitting
+            keep = max(0, min(len(seq.spec_token_ids), budget - remaining))
+            if keep < len(seq.spec_token_ids):
+                clear_speculation(seq, keep)
+            remaining += len(seq.spec_token_ids)
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
             # (a recompute-preempted sequence may have outgrown the budget: chunk it regardless)
             return min(remaining, budget)
         return remaining if remaining <= budget else 0
 
     def _preempt(self, seq: Sequence) -> None:
+        clear_speculation(seq)
         self.num_preemptions += 1
         seq.metrics.num_preemptions += 1
         if self.config.preemption_mode == "swap" and self.bm.can_swap_out(seq) and seq.num_evicted_tokens == 0:

@@ -50,8 +50,13 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     host_block_table: list[int] = field(default_factory=list)  # where its KV lives while SWAPPED
-    # StreamingLLM / sliding window: leading blocks dropped from the cache (their entries are -1)
+    # StreamingLLM / sliding window: leading blocks dropped from the cache
     num_evicted_tokens: int = 0
+    # Speculative decoding: this step's proposed tokens (a chain, or a tree via spec_parents) and,
+    # for a draft model that sampled them, the draft's distributions [k, vocab] (None: deterministic)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_parents: list[int] | None = None  # tree: parent index of each proposal (-1 = the last real token)
+    spec_draft_probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -17,7 +17,7 @@ from baton.serve.quantization.calibration import LayerRunner, collect_inputs
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import set_module
 from baton.serve.quantization.rtn import fake_quantize, pad_groups, rtn_linear
-from baton.serve.quantization.scaling import fold_scales, scale_groups, stacked_weight
+from baton.serve.quantization.scaling import fold_scales, layer_linears, scale_groups, stacked_weight
 
 MAX_TOKENS = 4096  # calibration rows used by the searches (AutoAWQ uses a few thousand too)
 
@@ -66,7 +66,7 @@ def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 2
 
 def awq_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfig) -> None:
     groups = scale_groups(layer)
-    names = {n: lin for g in groups for n, lin in g.linears.items()}
+    names = layer_linears(layer)  # o_proj has no group under GQA: it is quantized unscaled
     inputs = {n: x[:MAX_TOKENS] for n, x in collect_inputs(runner, layer, names).items()}
     for group in groups:
         first = next(iter(group.linears))

@@ -1,17 +1,24 @@
-"""Quantize a CausalLM in place: swap its decoder projections for quantized modules."""
+"""Quantize a CausalLM in place (swap its decoder projections for quantized modules), and the
+`baton quantize` pipeline around it."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
+from baton.common.checkpoint import CheckpointError, load_checkpoint, read_config
 from baton.common.model import CausalLM
+from baton.common.tokenizer import Tokenizer
 from baton.serve.quantization.awq import awq_layer
-from baton.serve.quantization.calibration import CalibrationError, LayerRunner, check_calibration_size
+from baton.serve.quantization.calibration import (CalibrationConfig, CalibrationError, LayerRunner, calibration_tokens,
+                                                  check_calibration_size)
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.gptq import gptq_layer
 from baton.serve.quantization.linear import QuantLinear, set_module, target_linears
+from baton.serve.quantization.loader import quantization_config, save_quantized
 from baton.serve.quantization.rtn import rtn_linear
 from baton.serve.quantization.smoothquant import smoothquant_layer
 
@@ -44,3 +51,32 @@ def quantize_model(model: CausalLM, qcfg: QuantConfig, tokens: torch.Tensor | No
         runner.advance(layer)
         log.info("%s: quantized layer %d/%d", qcfg.method, i + 1, len(model.model.layers))
     return model
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, qcfg: QuantConfig,
+                        calib: CalibrationConfig | None = None) -> Path:
+    """`baton quantize`: float handoff checkpoint -> quantized handoff checkpoint. Every input is
+    checked (checkpoint, not already quantized, tokenizer and data for calibration) before any work."""
+    from baton.train.data import DataConfig
+
+    src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"checkpoint directory {src} does not exist")
+    if quantization_config(src) is not None:
+        raise ValueError(f"{src} is already quantized ({quantization_config(src).get('format')}); "
+                         "quantize its float checkpoint instead")
+    read_config(src)
+    tokenizer = None
+    if qcfg.needs_calibration:
+        calib = calib or CalibrationConfig()
+        DataConfig(path=calib.data, seq_len=calib.seq_len)  # validates the data path now
+        if not (src / "tokenizer.json").is_file():
+            raise CheckpointError(f"{src} has no tokenizer.json: {qcfg.method} needs one to tokenize calibration text")
+        tokenizer = Tokenizer.from_dir(src)
+    ckpt = load_checkpoint(src, dtype=torch.float32)  # all quantization math in fp32
+    tokens = calibration_tokens(calib, tokenizer) if tokenizer is not None else None
+    model = quantize_model(ckpt.model, qcfg, tokens)
+    for p in model.parameters():  # the float parts go back to the checkpoint's dtype
+        p.data = p.data.to(ckpt.config.dtype)
+    extra = {"source": str(src.resolve()), "calibration": asdict(calib) if tokenizer is not None else None}
+    return save_quantized(out, model, qcfg, tokenizer_dir=src, extra=extra)

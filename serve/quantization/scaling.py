@@ -50,6 +50,11 @@ def fold_scales(group: ScaleGroup, s: torch.Tensor) -> None:
         lin.weight.mul_(s.to(lin.weight.dtype)[None, :])
 
 
+def layer_linears(layer: DecoderLayer) -> dict[str, nn.Linear]:
+    """Every projection of a dense layer (names relative to it), grouped or not."""
+    return {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
+
+
 def stacked_weight(group: ScaleGroup) -> torch.Tensor:
     """The group's weights as one [sum of outputs, in_features] fp32 matrix (they share the input)."""
     return torch.cat([lin.weight.detach().float() for lin in group.linears.values()])

@@ -14,7 +14,7 @@ from baton.serve.quantization.calibration import LayerRunner, collect_inputs
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import set_module
 from baton.serve.quantization.rtn import fake_quantize, rtn_linear
-from baton.serve.quantization.scaling import fold_scales, scale_groups, stacked_weight
+from baton.serve.quantization.scaling import fold_scales, layer_linears, scale_groups, stacked_weight
 
 ALPHAS = tuple(i / 20 for i in range(2, 19))  # 0.10 .. 0.90
 MAX_TOKENS = 4096
@@ -37,7 +37,7 @@ def choose_scales(x: torch.Tensor, w: torch.Tensor, alpha: float | None) -> torc
 
 def smoothquant_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfig) -> None:
     groups = scale_groups(layer)
-    names = {n: lin for g in groups for n, lin in g.linears.items()}
+    names = layer_linears(layer)  # o_proj has no group under GQA: it is quantized unscaled
     inputs = collect_inputs(runner, layer, names)
     for group in groups:
         x = inputs[next(iter(group.linears))]

@@ -9,6 +9,7 @@ medusa.safetensors + medusa_config.json (transformers ignores both).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -63,10 +64,15 @@ class MedusaHeads(nn.Module):
 
 
 def save_medusa(heads: MedusaHeads, directory: str | Path) -> None:
+    """Weights first, config last, each via a temporary file and rename: a crash leaves either the
+    previous heads or none readable, never a config pointing at half-written weights."""
     d = Path(directory)
-    (d / CONFIG_FILE).write_text(json.dumps(asdict(heads.config), indent=2) + "\n")
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, d / WEIGHTS_FILE,
-              metadata={"format": "pt"})
+    tmp = d / f".{WEIGHTS_FILE}.tmp"
+    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, tmp, metadata={"format": "pt"})
+    os.replace(tmp, d / WEIGHTS_FILE)
+    tmp = d / f".{CONFIG_FILE}.tmp"
+    tmp.write_text(json.dumps(asdict(heads.config), indent=2) + "\n")
+    os.replace(tmp, d / CONFIG_FILE)
 
 
 def load_medusa(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> MedusaHeads:

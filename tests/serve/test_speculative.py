@@ -144,7 +144,7 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     prompt = [1, 2, 1, 2, 1]
     engine = LLMEngine.from_checkpoint(tmp_path / "t", EngineConfig(num_kv_blocks=2048, block_size=4, speculative=spec,
                                                                      scheduler=SchedulerConfig(max_num_seqs=256)))
-    n = 3000
+    n = 2000
     for i in range(n):
         engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, max_tokens=3, seed=i, ignore_eos=True))
     outs = []
@@ -160,7 +160,7 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     for pos, exact in ((1, p2), (2, p3)):
         emp = torch.bincount(torch.tensor([o[pos] for o in outs]), minlength=6).double() / n
         tv = 0.5 * (emp - exact).abs().sum()
-        assert tv < 0.04, f"{mode}: token {pos + 1} total variation {tv:.3f}"
+        assert tv < 0.05, f"{mode}: token {pos + 1} total variation {tv:.3f}"
 
 
 def test_tree_forward_matches_each_path_run_plainly(models):

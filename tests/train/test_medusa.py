@@ -1,0 +1,51 @@
+"""Medusa-1 training on a frozen base: the heads learn, the base does not move, the server loads them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.common.checkpoint import load_checkpoint, save_model
+from baton.common.config import ModelConfig
+from baton.common.medusa import load_medusa
+from baton.common.model import build_model
+from baton.common.tokenizer import train_char
+from baton.train.data import DataConfig, build_datasets, torch_loader
+from baton.train.medusa import MedusaTrainConfig, medusa_loss, train_medusa
+
+TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(400))
+
+
+def test_heads_learn_and_base_stays_frozen(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    tok = train_char(TEXT)
+    base = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=128), seed=0)
+    save_model(tmp_path / "base", base, tokenizer=tok)
+    data = DataConfig(path=str(corpus), seq_len=48, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
+    cfg = MedusaTrainConfig(base=str(tmp_path / "base"), data=data, num_heads=2, steps=60, batch_size=8, lr=3e-3)
+
+    ds, _ = build_datasets(data, tok)
+    batch = next(torch_loader(ds, 16, seed=0))
+    before_base = load_checkpoint(tmp_path / "base").model
+    from baton.common.medusa import MedusaConfig, MedusaHeads
+
+    init = MedusaHeads(MedusaConfig(64, tok.vocab_size, 2))
+    init.init_from_lm_head(before_base.lm_head)
+    with torch.no_grad():
+        hidden = before_base.hidden(batch[:, :-1])
+        _, loss_before = medusa_loss(init, hidden, batch, 0.8)
+    train_medusa(cfg)
+    heads = load_medusa(tmp_path / "base")
+    with torch.no_grad():
+        _, loss_after = medusa_loss(heads, hidden, batch, 0.8)
+    assert all(a < 0.7 * b for a, b in zip(loss_after, loss_before)), (loss_before, loss_after)
+    after_base = load_checkpoint(tmp_path / "base").model  # sha256s in baton.json still verify
+    for (k, v), (_, w) in zip(before_base.state_dict().items(), after_base.state_dict().items()):
+        assert torch.equal(v, w), k
+
+
+def test_bad_medusa_configs(tmp_path):
+    with pytest.raises(ValueError, match="is not a checkpoint directory"):
+        MedusaTrainConfig(base=str(tmp_path))

@@ -98,10 +98,13 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.serve.runtime import Limits
     from baton.serve.scheduler import SchedulerConfig
     from baton.serve.server import ServerConfig, run
+    from baton.serve.speculative import SpeculativeConfig
 
+    spec = None if args.speculative is None else SpeculativeConfig(
+        args.speculative, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
     engine = EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_model_len=args.max_model_len,
-                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs))
+                          scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), speculative=spec)
     limits = Limits(max_concurrent=args.max_concurrent, max_queued=args.max_queued,
                     max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                     max_message_bytes=int(args.max_message_mb * 2**20))
@@ -142,6 +145,46 @@ def _query(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"baton query: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+    return 0
+
+
+def _calibration(args: argparse.Namespace):
+    from baton.serve.quantization.calibration import CalibrationConfig
+
+    return CalibrationConfig(data=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction,
+                             num_samples=args.calib_samples, sample_seed=args.seed)
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    from baton.serve.quantization.config import QuantConfig
+    from baton.serve.quantization.quantize import quantize_checkpoint
+
+    bits = args.bits or (4 if args.method in ("gptq", "awq") else 8)
+    qcfg = QuantConfig(method=args.method, bits=bits, group_size=args.group_size, act_order=args.act_order,
+                       alpha=None if args.alpha == "auto" else args.alpha)
+    out = quantize_checkpoint(args.src, args.out, qcfg, _calibration(args))
+    print(f"Quantized {args.src} ({qcfg.method}, {qcfg.format}) -> {out}")
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    from baton.serve.quantization.prune import PruneConfig, prune_checkpoint
+
+    out = prune_checkpoint(args.src, args.out, PruneConfig(heads=args.heads, channels=args.channels), _calibration(args))
+    print(f"Pruned {args.src} -> {out}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from baton.serve.eval import EvalConfig, evaluate_checkpoint
+
+    cfg = EvalConfig(data=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction, window=args.window,
+                     stride=args.stride, max_tokens=args.max_tokens)
+    result = evaluate_checkpoint(args.model, cfg, args.reference)
+    text = json.dumps(result.to_dict(), indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
     return 0
 
 
@@ -204,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", default=None,
                    help="require 'authorization: Bearer <token>' (token read from this file, else $BATON_AUTH_TOKEN)")
     p.add_argument("--max-concurrent", type=int, default=64, help="generation requests in the engine at once")
-    p.add_argument("--max-queued", type=int, default=256, help="requests waiting for a slot; beyond: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting for a slot; beyond them: RESOURCE_EXHAUSTED")
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
     p.add_argument("--max-output-tokens", type=int, default=1024, help="largest max_tokens accepted")
     p.add_argument("--max-message-mb", type=float, default=4.0, help="largest gRPC message either way")
@@ -214,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    p.add_argument("--speculative", choices=["ngram", "draft", "medusa"], default=None, help="speculative decoding")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
+    p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="cast weights on load")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_serve)
@@ -232,6 +279,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auth-token-file", default=None, help="bearer token file (else $BATON_AUTH_TOKEN)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=_query)
+    def corpus_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--data", default=None, help="text/JSONL file or directory (default: the embedded corpus)")
+        p.add_argument("--seq-len", type=int, default=128, help="block length (as in the training recipe)")
+        p.add_argument("--val-fraction", type=float, default=0.02, help="held-out fraction (as in the training recipe)")
+
+    p = sub.add_parser("quantize", help="quantize a float checkpoint (RTN, GPTQ, AWQ, SmoothQuant W8A8, FP8)")
+    p.add_argument("src", help="float handoff checkpoint")
+    p.add_argument("out", help="where the quantized checkpoint goes")
+    p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "smoothquant", "fp8"])
+    p.add_argument("--bits", type=int, default=None, help="weight bits: 8 or 4 (default: 4 for gptq/awq, else 8)")
+    p.add_argument("--group-size", type=int, default=128, help="int4 group size: 32, 64 or 128")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian-diagonal order")
+    def alpha(v: str) -> float | str:
+        return v if v == "auto" else float(v)
+
+    p.add_argument("--alpha", default=0.5, type=alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration blocks from the training split")
+    p.add_argument("--seed", type=int, default=0, help="which calibration blocks are drawn")
+    corpus_args(p)
+    p.set_defaults(func=_quantize)
+
+    p = sub.add_parser("prune", help="remove attention head groups / MLP channels: a smaller dense checkpoint")
+    p.add_argument("src", help="float handoff checkpoint")
+    p.add_argument("out", help="where the pruned checkpoint goes")
+    p.add_argument("--heads", type=float, default=0.0, help="fraction of KV head groups to remove per layer")
+    p.add_argument("--channels", type=float, default=0.0, help="fraction of MLP channels to remove per layer")
+    p.add_argument("--calib-samples", type=int, default=32, help="calibration blocks for the importance scores")
+    p.add_argument("--seed", type=int, default=0, help="which calibration blocks are drawn")
+    corpus_args(p)
+    p.set_defaults(func=_prune)
+
+    p = sub.add_parser("eval", help="perplexity on held-out text, and agreement with a reference model")
+    p.add_argument("model", help="checkpoint directory (float or quantized)")
+    p.add_argument("--reference", default=None, help="e.g. the unquantized checkpoint: adds ppl delta and agreement")
+    p.add_argument("--window", type=int, default=128, help="tokens per forward")
+    p.add_argument("--stride", type=int, default=64, help="new tokens scored per window")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on held-out tokens")
+    p.add_argument("--json", default=None, help="also write the result here")
+    corpus_args(p)
+    p.set_defaults(func=_eval)
     return parser
 
 

@@ -71,9 +71,14 @@ class AsyncLLMEngine:
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority)  # ValueError on bad input
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:  # in a worker thread: waiting for the lock must not block the event loop
+            with self._lock:
+                self.engine.add_request(request_id, prompt, params, priority=priority)  # ValueError on bad input
+                self._streams[request_id] = (loop, queue)
+
+        await asyncio.to_thread(add)
         self._wake.set()
         finished = False
         try:

@@ -97,11 +97,14 @@ class BatonService:
         llm = self.rt.llm
         cfg = llm.model.config
         weight = next(llm.model.parameters())
-        quant = (cfg.extra.get("quantization_config") or {}).get("quant_method", "none")
+        spec = llm.config.speculative
+        spec_mode = "none" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}" + (
+            f" tree_width={spec.tree_width}" if spec.tree_width > 1 else "")
         return proto.baton("ModelInfoResponse")(
             name=self.rt.model_name, architecture=cfg.model_type or cfg.infer_model_type(),
             config_json=json.dumps(cfg.to_dict(), sort_keys=True), max_context=llm.max_model_len,
-            dtype=str(weight.dtype).removeprefix("torch."), quantization=quant, speculative_mode="none",
+            dtype=str(weight.dtype).removeprefix("torch."), quantization=self.rt.quantization,
+            speculative_mode=spec_mode,
             vocab_size=llm.vocab_size, kv_block_size=llm.config.block_size,
             kv_blocks=llm.block_manager.num_blocks, device=str(weight.device))
 

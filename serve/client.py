@@ -130,6 +130,20 @@ class AsyncBatonClient(_Base):
         finally:
             call.cancel()
 
+    async def complete(self, prompt: str | list[int], *, timeout: float | None = None, **kwargs) -> Message:
+        call = self._invoke("Generate", generate_request(prompt, unary=True, **kwargs), timeout)
+        return await call.read()
+
+    async def tokenize(self, text: str) -> list[int]:
+        return list((await self._invoke("Tokenize", proto.baton("TokenizeRequest")(text=text), None)).token_ids)
+
+    async def detokenize(self, token_ids: list[int], keep_special_tokens: bool = False) -> str:
+        req = proto.baton("DetokenizeRequest")(token_ids=token_ids, keep_special_tokens=keep_special_tokens)
+        return (await self._invoke("Detokenize", req, None)).text
+
+    async def model_info(self) -> Message:
+        return await self._invoke("ModelInfo", proto.baton("ModelInfoRequest")(), None)
+
     async def server_info(self) -> Message:
         return await self._invoke("ServerInfo", proto.baton("ServerInfoRequest")(), None)
 

@@ -15,6 +15,8 @@ import grpc
 from baton.serve.runtime import Runtime
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFUSALS = {"loading": "the model is still loading", "draining": "the server is shutting down",
+            "failed": "the engine failed; the server must be restarted"}
 ALWAYS_OPEN = ("/grpc.reflection.", "/inference.GRPCInferenceService/ServerLive",
                "/inference.GRPCInferenceService/ServerReady", "/inference.GRPCInferenceService/ModelReady",
                "/baton.serve.v1.BatonService/ServerInfo")
@@ -54,8 +56,7 @@ class Gate(grpc.aio.ServerInterceptor):
             why = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
             return self._refuse(handler, method, grpc.StatusCode.UNAUTHENTICATED, why)
         if self.rt.state != "serving" and not method.startswith(ALWAYS_OPEN):
-            why = "the model is still loading" if self.rt.state == "loading" else "the server is shutting down"
-            return self._refuse(handler, method, grpc.StatusCode.UNAVAILABLE, why)
+            return self._refuse(handler, method, grpc.StatusCode.UNAVAILABLE, REFUSALS[self.rt.state])
         return handler
 
     def _refuse(self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,

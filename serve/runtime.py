@@ -17,7 +17,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import AsyncIterator
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
+from baton.serve import proto
 from baton.serve.admission import Admission
 from baton.serve.async_engine import AsyncLLMEngine, EngineDeadError
 from baton.serve.engine import LLMEngine
@@ -67,8 +69,10 @@ class Runtime:
     def __init__(self, model_name: str, limits: Limits):
         self.model_name = model_name
         self.limits = limits
-        self.state = "loading"  # -> "serving" -> "draining"
+        self.state = "loading"  # -> "serving" -> "draining", or "failed" if the engine loop dies
+        self.health = health.aio.HealthServicer()
         self.engine: AsyncLLMEngine | None = None
+        self.quantization = "none"  # e.g. "gptq int4", from the checkpoint's quantization_config
         self.admission = Admission(limits.max_concurrent, limits.max_queued)
         self.metrics = ServerMetrics(self.engine_numbers)
         self.started = time.monotonic()
@@ -81,7 +85,8 @@ class Runtime:
         if name and name != self.model_name:
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; this server serves {self.model_name!r}")
         if version not in ("", "1"):
-            raise RpcError(grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} has no version {version!r} (only '1')")
+            raise RpcError(grpc.StatusCode.NOT_FOUND,
+                           f"model {self.model_name!r} has no version {version!r} (only '1')")
 
     @property
     def llm(self) -> LLMEngine:
@@ -114,7 +119,7 @@ class Runtime:
             raise
         except EngineDeadError:
             outcome = "internal"
-            self.state = "draining"  # refuse new work: the process must be restarted
+            await self.set_state("failed")  # refuse new work and fail health: the process must be restarted
             raise
         except Exception as e:
             outcome = status_of(e)[0].name.lower()
@@ -125,7 +130,7 @@ class Runtime:
     async def generate(self, call: Call, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Check, wait for admission, then stream the engine's outputs (closing early aborts)."""
-        ids = self.prepare(prompt, params)
+        ids = await asyncio.to_thread(self.prepare, prompt, params)  # a huge prompt must not stall the loop
         call.prompt_tokens = len(ids)
         async with self.admission.slot():
             call.admitted = time.monotonic()
@@ -160,6 +165,17 @@ class Runtime:
                  code.name.lower(), peer, why)
 
     # ------------------------------------------------------------------------------ state
+    async def set_state(self, state: str) -> None:
+        """Health follows the state: SERVING only while serving."""
+        self.state = state
+        if state == "draining":
+            await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
+        else:
+            status = health_pb2.HealthCheckResponse.SERVING if state == "serving" else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", proto.BATON_SERVICE, proto.KSERVE_SERVICE):
+                await self.health.set(name, status)
+
     def engine_numbers(self) -> dict | None:
         """Queue, batch and KV numbers, read under the engine lock (None while loading)."""
         if self.engine is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from baton.common.config import DTYPES
@@ -25,6 +25,7 @@ from baton.serve.baton_service import BatonService
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.gate import Gate
 from baton.serve.kserve import KServeService
+from baton.serve.quantization.loader import quantization_config
 from baton.serve.runtime import Limits, Runtime
 
 log = logging.getLogger(__name__)
@@ -64,37 +65,41 @@ class BatonServer:
         self.config = config
         self.rt = Runtime(config.model_name or Path(config.model).resolve().name, config.limits)
         self._engine = engine
-        self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self.metrics_port: int | None = None
         self._server: grpc.aio.Server | None = None
-
-    async def _set_health(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *SERVICES):
-            await self.health.set(name, status)
 
     async def start(self) -> None:
         """Bind and answer (NOT_SERVING) before the model is loaded, so probes see us loading."""
         cfg, size = self.config, self.config.limits.max_message_bytes
         server = grpc.aio.server(interceptors=[Gate(self.rt, cfg.auth_token)],
                                  options=[("grpc.max_receive_message_length", size),
-                                          ("grpc.max_send_message_length", size)])
+                                          ("grpc.max_send_message_length", size),
+                                          ("grpc.so_reuseport", 0)])  # a second server must not share our port
         server.add_generic_rpc_handlers((BatonService(self.rt).handler(), KServeService(self.rt).handler()))
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.rt.health, server)
         reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
                                             pool=proto.pool())
-        await self._set_health(False)
-        address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert:
-            creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())])
-            self.port = server.add_secure_port(address, creds)
-        else:
-            self.port = server.add_insecure_port(address)
+        await self.rt.set_state("loading")
+        address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"  # IPv6 literals
+        try:
+            if cfg.tls_cert:
+                pem = [(Path(cfg.tls_key).read_bytes(), Path(cfg.tls_cert).read_bytes())]
+                self.port = server.add_secure_port(address, grpc.ssl_server_credentials(pem))
+            else:
+                self.port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's way of saying "could not bind"
+            self.port = 0
+        if not self.port:
+            raise ValueError(f"cannot listen on {address}: the port is in use or the host is not this machine's")
         await server.start()
         self._server = server
         if cfg.metrics_port is not None:
-            self.metrics_port = self.rt.metrics.serve(cfg.host, cfg.metrics_port)
+            try:
+                self.metrics_port = self.rt.metrics.serve(cfg.host, cfg.metrics_port)
+            except OSError as e:
+                await server.stop(None)
+                raise ValueError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from None
         log.info("listening on %s:%d (%s), not serving until the model is loaded", cfg.host, self.port,
                  "TLS" if cfg.tls_cert else "plaintext")
 
@@ -106,17 +111,17 @@ class BatonServer:
             llm = await asyncio.to_thread(LLMEngine.from_checkpoint, cfg.model, cfg.engine, cfg.device, dtype)
             self._engine = AsyncLLMEngine(llm)
             log.info("loaded %s in %.1f s", cfg.model, time.monotonic() - t0)
+        q = quantization_config(cfg.model)
+        self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
         self.rt.engine = self._engine
-        self.rt.state = "serving"
-        await self._set_health(True)
+        await self.rt.set_state("serving")
         metrics = f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
         log.info("ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s", self.rt.model_name, cfg.host, self.port,
                  "on" if cfg.tls_cert else "off", "on" if cfg.auth_token else "off", metrics)
 
     async def drain_and_stop(self) -> None:
         """Refuse new work, let in-flight requests finish (up to the drain timeout), then stop."""
-        self.rt.state = "draining"
-        await self.health.enter_graceful_shutdown()
+        await self.rt.set_state("draining")
         adm = self.rt.admission
         deadline = time.monotonic() + self.config.drain_timeout_s
         if adm.active:

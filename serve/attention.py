@@ -16,6 +16,7 @@ import torch
 
 from baton.common.model import Attention
 from baton.kernels import flash_attn_with_paged_prefix, paged_attention_decode, reshape_and_cache
+from baton.serve.quantization.kv_cache import write_and_read
 
 
 @dataclass
@@ -49,8 +50,9 @@ class AttentionMetadata:
 
 
 class PagedAttention:
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_cache_dtype: str = "auto"):
         self.kv_caches = kv_caches
+        self.kv_cache_dtype = kv_cache_dtype  # "int8"/"fp8": packed quantized pools (quantization/kv_cache.py)
         self.metadata: AttentionMetadata | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention) -> torch.Tensor:
@@ -58,7 +60,10 @@ class PagedAttention:
         assert md is not None and q.shape[0] == 1, "the runner packs a step into one row and sets metadata"
         q, k, v = q[0], k[0], v[0]
         k_cache, v_cache = self.kv_caches[layer.layer_idx]
-        reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        if self.kv_cache_dtype == "auto":
+            reshape_and_cache(k, v, k_cache, v_cache, md.slot_mapping)
+        else:  # quantize on write; attend over the blocks this step reads, dequantized
+            k_cache, v_cache, md = write_and_read(k, v, k_cache, v_cache, md, self.kv_cache_dtype, q.dtype)
         window = layer.sliding_window if md.window_in_cache else None
         out = torch.empty_like(q)
         nd = md.num_decodes

@@ -21,6 +21,7 @@ from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.model_runner import ModelRunner, kv_block_bytes
 from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
 from baton.serve.sampler import SampleResult, logprobs_of, sample, target_distribution
 from baton.serve.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class EngineConfig:
     streaming_window_tokens: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
+    kv_cache_dtype: str = "auto"  # "int8" / "fp8": quantized KV pools (serve/quantization/kv_cache.py)
 
     @property
     def streaming(self) -> bool:
@@ -72,7 +74,10 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         p = next(model.parameters())
-        block_bytes = kv_block_bytes(model, config.block_size, p.dtype)
+        check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)
+        if config.streaming and config.kv_cache_dtype != "auto":
+            raise ValueError("StreamingLLM re-rotates cached keys in place: use kv_cache_dtype='auto' with it")
+        block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
         num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
         num_host = config.swap_space_bytes // block_bytes if config.scheduler.preemption_mode == "swap" else 0
         eviction = None
@@ -84,7 +89,7 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and eviction is None
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()

@@ -24,7 +24,7 @@ from baton.serve.quantization.calibration import CorpusConfig
 @dataclass
 class EvalConfig(CorpusConfig):
     window: int = 128  # tokens per forward
-    stride: int = 64  # new tokens scored per window
+    stride: int = 64  # new tokens scored per window (< window: each window's first token is context)
     max_tokens: int | None = None  # cap the held-out stream (None = all of it)
     batch_size: int = 8
     greedy_prompts: int = 8  # free-running greedy agreement: prompts taken from the held-out stream
@@ -32,8 +32,8 @@ class EvalConfig(CorpusConfig):
     greedy_new_tokens: int = 32
 
     def __post_init__(self) -> None:
-        if not 0 < self.stride <= self.window:
-            raise ValueError(f"stride must be in 1..window ({self.window}), got {self.stride}")
+        if not 0 < self.stride < self.window:
+            raise ValueError(f"stride must be in 1..window - 1 ({self.window - 1}), got {self.stride}")
         if self.max_tokens is not None and self.max_tokens < 2:
             raise ValueError(f"max_tokens must be at least 2, got {self.max_tokens}")
 
@@ -61,7 +61,7 @@ def heldout_tokens(cfg: EvalConfig, tokenizer: Tokenizer) -> torch.Tensor:
     _, val = cfg.splits(tokenizer)
     if len(val) == 0:
         raise ValueError(f"{cfg.data or 'the default corpus'} has no validation blocks; raise val_fraction")
-    stream = val.with_format("torch")["input_ids"].long().reshape(-1)
+    stream = val.with_format("torch")[:]["input_ids"].long().reshape(-1)
     return stream[:cfg.max_tokens] if cfg.max_tokens else stream
 
 
@@ -80,16 +80,16 @@ def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
 
 @torch.no_grad()
 def perplexity(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference: CausalLM | None = None) -> EvalResult:
-    """Strided-window perplexity of `model` on a 1-D token stream (and agreement with `reference`)."""
+    """Strided-window perplexity of `model` on a 1-D token stream; with a reference, also the
+    reference's perplexity and the top-1 agreement, from the same windows in the same pass."""
     if cfg.window > model.config.max_position_embeddings:
         raise ValueError(f"window {cfg.window} exceeds the model's context {model.config.max_position_embeddings}")
     device = next(model.parameters()).device
-    nll, count, agree = 0.0, 0, 0
+    nll, ref_nll, count, agree = 0.0, 0.0, 0, 0
     spans = windows(tokens.numel(), cfg.window, cfg.stride)
     for i in range(0, len(spans), cfg.batch_size):
         batch = spans[i:i + cfg.batch_size]
-        length = max(e - b for b, e, _ in batch)
-        ids = torch.zeros(len(batch), length, dtype=torch.long)
+        ids = torch.zeros(len(batch), max(e - b for b, e, _ in batch), dtype=torch.long)
         for row, (b, e, _) in enumerate(batch):
             ids[row, :e - b] = tokens[b:e]
         ids = ids.to(device)
@@ -101,9 +101,12 @@ def perplexity(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference
             nll += F.cross_entropy(logits[row, pos], targets, reduction="sum").item()
             count += scored
             if ref is not None:
+                ref_nll += F.cross_entropy(ref[row, pos], targets, reduction="sum").item()
                 agree += (logits[row, pos].argmax(-1) == ref[row, pos].argmax(-1)).sum().item()
-    mean = nll / count
-    return EvalResult(math.exp(mean), mean, count, agree / count if reference is not None else None)
+    result = EvalResult(math.exp(nll / count), nll / count, count)
+    if reference is not None:
+        result.top1_agreement, result.reference_perplexity = agree / count, math.exp(ref_nll / count)
+    return result
 
 
 @torch.no_grad()
@@ -123,7 +126,6 @@ def evaluate(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference: 
     """Perplexity, plus (with a reference) the reference's perplexity and both agreement measures."""
     result = perplexity(model, tokens, cfg, reference)
     if reference is not None:
-        result.reference_perplexity = perplexity(reference, tokens, cfg).perplexity
         result.greedy_match = greedy_match(model, reference, tokens, cfg)
     return result
 

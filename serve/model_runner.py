@@ -7,32 +7,36 @@ import torch
 from baton.common.model import CausalLM
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
+from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     cfg = model.config
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    pool_dtype, width = pool_layout(kv_cache_dtype, dtype, cfg.head_dim)
+    elem = torch.tensor([], dtype=pool_dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * width * elem
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 kv_cache_dtype: str = "auto"):
         self.model = model.eval()
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.block_size = block_size
-        shape = (cfg.num_key_value_heads, cfg.head_dim)
+        pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, width)
         # Zero-filled: padded block-table entries may be read (and masked), never as NaN.
-        self.kv_caches = [(torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(num_blocks, block_size, *shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
+                           torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device))
                           for _ in range(cfg.num_hidden_layers)]
         pin = self.device.type == "cuda"
-        self.host_caches = [(torch.zeros(num_host_blocks, block_size, *shape, dtype=self.dtype, pin_memory=pin),
-                             torch.zeros(num_host_blocks, block_size, *shape, dtype=self.dtype, pin_memory=pin))
+        self.host_caches = [(torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
+                             torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin))
                             for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
-        self.attn = PagedAttention(self.kv_caches)
+        self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, swap_out, swap_in, copies, rerotations=()) -> None:

@@ -1,12 +1,14 @@
 """Training recipe: dataclasses loaded from YAML (+ key=value overrides), validated up front.
 
 Everything that can be wrong with a recipe (unknown keys, impossible batch arithmetic, missing
-data) raises a ConfigError before a single weight is allocated.
+data, DeepSpeed settings that DeepSpeed would silently reinterpret) raises a ConfigError before a
+single weight is allocated. Checks that need the world size run again at the start of training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,11 @@ import yaml
 
 from baton.common.config import PRESETS, ConfigError, ModelConfig
 from baton.train.data import DataConfig
+from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
+
+BACKENDS = ("torch", "deepspeed", "torch3d")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 @dataclass
@@ -37,38 +44,98 @@ class TokenizerConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """ZeRO settings; baton.train.backends.deepspeed turns them into a DeepSpeed config."""
+
+    stage: int = 0  # ZeRO stage 0 (plain data parallel) .. 3 (parameters sharded too)
+    offload_optimizer: str = "none"  # none | cpu | nvme: where optimizer state and the step live
+    offload_param: str = "none"  # none | cpu | nvme: where (ZeRO-3) parameters live between uses
+    nvme_path: str | None = None  # a local folder on a fast disk, for nvme offload
+    cpu_adam: bool | None = None  # DeepSpeedCPUAdam (a JIT-built op); None: when offloading the optimizer
+    shm_comm: bool = False  # DeepSpeed's shared-memory CPU allreduce (JIT-built); False: plain gloo
+    extra: dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed config keys merged on top
+
+
+@dataclass
+class RecomputeConfig:
+    mode: str = "none"  # none | selective (attention core only, Megatron) | full (whole layers)
+    every_n_layers: int = 1  # full: recompute layers 0, N, 2N, ...
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = 0  # save every N steps (0: only at the end)
+    keep_last: int = 2  # older step checkpoints are deleted
+    resume: str = "auto"  # auto: the latest under out_dir/checkpoints, if any; never; or a path
+
+
+@dataclass
+class LoggingConfig:
+    progress: bool = True  # a tqdm bar on rank 0
+    tensorboard: bool = True  # event files under out_dir/tensorboard
+    plot: bool = True  # out_dir/loss.png at the end
+    mfu: bool = True  # measure the machine's matmul peak (~1 s) and report MFU against it
+
+
+@dataclass
 class TrainConfig:
     model: dict[str, Any] = field(default_factory=lambda: {"preset": "demo"})
     data: DataConfig = field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    backend: str = "torch"  # torch (single process, or DDP under torchrun) | deepspeed
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torch3d: the dp x pp x cp x tp layout
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     micro_batch_size: int = 8
-    grad_accum_steps: int = 1
-    global_batch_size: int | None = None  # if set, must equal micro * accum * data-parallel size
+    grad_accum_steps: int | None = None  # None: global_batch_size / (micro x data-parallel size), else 1
+    global_batch_size: int | None = None  # if set, must equal micro x accum x data-parallel size
     max_steps: int = 1000
     eval_interval: int = 100
     eval_batches: int = 8
     log_interval: int = 10
+    max_nan_steps: int = 5  # stop after this many non-finite losses in a row (each step is skipped)
+    export: bool = True  # write the handoff checkpoint (out_dir/handoff) at the end
     out_dir: str = "runs/default"
     seed: int = 1234
 
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self, data_parallel_size: int = 1) -> None:
+    def data_parallel_size(self, world_size: int) -> int:
+        """Model replicas sharing each global batch: every rank, except under torch3d's tp/pp/cp."""
+        return data_parallel_size(self.parallel, world_size) if self.backend == "torch3d" else world_size
+
+    def data_parallel_rank(self, rank: int, world_size: int) -> int:
+        """Which share of each global batch `rank` trains on."""
+        return data_parallel_rank(self.parallel, rank, world_size) if self.backend == "torch3d" else rank
+
+    def accum_steps(self, data_parallel_size: int) -> int:
+        if self.grad_accum_steps is not None:
+            return self.grad_accum_steps
+        if self.global_batch_size is None:
+            return 1
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+    def global_batch(self, data_parallel_size: int) -> int:
+        return self.micro_batch_size * self.accum_steps(data_parallel_size) * data_parallel_size
+
+    def validate(self, data_parallel_size: int | None = None) -> None:
+        """Raise ConfigError on the first problem; the batch arithmetic needs the world size."""
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ConfigError(f"invalid training config: {msg}")
 
-        for name in ("micro_batch_size", "grad_accum_steps", "max_steps", "eval_batches", "log_interval"):
+        for name in ("micro_batch_size", "max_steps", "eval_batches", "log_interval", "max_nan_steps"):
             v = getattr(self, name)
             need(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
+        a = self.grad_accum_steps
+        need(a is None or (isinstance(a, int) and a > 0), f"grad_accum_steps must be a positive integer or null, got {a!r}")
         need(isinstance(self.eval_interval, int) and self.eval_interval >= 0, "eval_interval must be >= 0 (0: only at the end)")
-        per_step = self.micro_batch_size * self.grad_accum_steps * data_parallel_size
-        if self.global_batch_size is not None:
-            need(self.global_batch_size == per_step,
-                 f"global_batch_size {self.global_batch_size} != micro_batch_size {self.micro_batch_size} x "
-                 f"grad_accum_steps {self.grad_accum_steps} x data-parallel size {data_parallel_size} = {per_step}")
+        self._validate_batch(need, data_parallel_size)
         o = self.optim
         need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr}) and lr > 0")
         need(0 <= o.warmup_steps <= self.max_steps, f"warmup_steps {o.warmup_steps} must be in 0..max_steps {self.max_steps}")
@@ -80,12 +147,80 @@ class TrainConfig:
         if self.tokenizer.path is not None:
             need((Path(self.tokenizer.path) / "tokenizer.json").is_file(),
                  f"tokenizer.path {self.tokenizer.path} has no tokenizer.json")
+        self._validate_model(need)
+        self._validate_backend(need)
+        self._validate_parallel(need)
+        r = self.recompute
+        need(r.mode in RECOMPUTE_MODES, f"recompute.mode must be one of {RECOMPUTE_MODES}, got {r.mode!r}")
+        need(isinstance(r.every_n_layers, int) and r.every_n_layers > 0, "recompute.every_n_layers must be a positive integer")
+        c = self.checkpoint
+        need(isinstance(c.interval, int) and c.interval >= 0, "checkpoint.interval must be >= 0 (0: only at the end)")
+        need(isinstance(c.keep_last, int) and c.keep_last >= 1, "checkpoint.keep_last must be >= 1")
+        need(c.resume in ("auto", "never") or Path(c.resume).is_dir(),
+             f"checkpoint.resume must be 'auto', 'never' or an existing checkpoint directory, got {c.resume!r}")
+
+    def _validate_batch(self, need, dp: int | None) -> None:
+        m, a, g = self.micro_batch_size, self.grad_accum_steps, self.global_batch_size
+        if g is None:
+            return
+        need(isinstance(g, int) and g > 0, f"global_batch_size must be a positive integer, got {g!r}")
+        if dp is None:  # world size unknown yet: only what holds for every world size
+            need(g % (m * (a or 1)) == 0, f"global_batch_size {g} is not a multiple of micro_batch_size {m}"
+                 + (f" x grad_accum_steps {a}" if a else ""))
+            return
+        if a is None:
+            need(g % (m * dp) == 0, f"global_batch_size {g} is not divisible by micro_batch_size {m} x "
+                 f"data-parallel size {dp}, so no whole number of accumulation steps fits")
+        else:
+            need(g == m * a * dp, f"global_batch_size {g} != micro_batch_size {m} x grad_accum_steps {a} x "
+                 f"data-parallel size {dp} = {m * a * dp}")
+
+    def _validate_model(self, need) -> None:
         model = dict(self.model)
         name = model.pop("preset", None)
         need(name is None or name in PRESETS, f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
-        self.model_config(vocab_size=model.get("vocab_size", 1024))  # raises on a bad model section
-        max_pos = {**PRESETS.get(name, {}), **model}.get("max_position_embeddings", 2048)
-        need(self.data.seq_len <= max_pos, f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {max_pos}")
+        mc = self.model_config(vocab_size=model.get("vocab_size", 1024))  # raises on a bad model section
+        need(mc.torch_dtype == "float32", f"training keeps float32 weights (model.torch_dtype {mc.torch_dtype!r}): "
+             "fp16 is rejected on CPU and bf16 runs ~9x slower than fp32 here")
+        need(self.data.seq_len <= mc.max_position_embeddings,
+             f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}")
+
+    def _validate_backend(self, need) -> None:
+        need(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        d = self.deepspeed
+        need(d.stage in (0, 1, 2, 3), f"deepspeed.stage must be 0, 1, 2 or 3, got {d.stage!r}")
+        for name in ("offload_optimizer", "offload_param"):
+            v = getattr(d, name)
+            need(v in OFFLOAD_DEVICES, f"deepspeed.{name} must be one of {OFFLOAD_DEVICES}, got {v!r}")
+        offloading = d.offload_optimizer != "none" or d.offload_param != "none"
+        if self.backend != "deepspeed":
+            need(not offloading, "offload needs backend: deepspeed")
+            return
+        need(d.offload_optimizer == "none" or d.stage >= 1, "deepspeed.offload_optimizer needs ZeRO stage >= 1")
+        need(d.offload_param == "none" or d.stage == 3, "deepspeed.offload_param needs ZeRO stage 3 (only stage 3 shards parameters)")
+        # Trap: DeepSpeed accepts nvme optimizer offload at stage 1/2 and silently keeps the state in CPU memory.
+        need(d.offload_optimizer != "nvme" or d.stage == 3,
+             "deepspeed.offload_optimizer: nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently "
+             "offloads to CPU memory instead. Use stage 3, or offload_optimizer: cpu")
+        nvme = "nvme" in (d.offload_optimizer, d.offload_param)
+        need(not nvme or bool(d.nvme_path), "nvme offload needs deepspeed.nvme_path (a local folder)")
+        need(not (d.cpu_adam and d.offload_optimizer == "none"),
+             "deepspeed.cpu_adam runs the optimizer on the host: it needs offload_optimizer cpu or nvme")
+        reserved = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "optimizer",
+                    "scheduler", "fp16", "bf16", "gradient_clipping"}
+        clash = sorted(reserved & set(d.extra))
+        need(not clash, f"deepspeed.extra must not set {', '.join(clash)}: Baton derives them from the recipe")
+
+    def _validate_parallel(self, need) -> None:
+        """The layout, checked with the launcher's WORLD_SIZE before any process group exists
+        (the vocabulary is not known yet, and no layout check depends on it)."""
+        if self.backend != "torch3d":
+            need(self.parallel == ParallelConfig(), "the parallel section needs backend: torch3d")
+            return
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        accum = self.accum_steps(data_parallel_size(self.parallel, world))
+        check_layout(self.parallel, self.model_config(vocab_size=self.model.get("vocab_size", 1024)), world,
+                     max(1, accum), self.data.seq_len)
 
     def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer."""
@@ -93,11 +228,18 @@ class TrainConfig:
         base = PRESETS.get(model.pop("preset", None), {})
         return ModelConfig.from_dict({**base, "vocab_size": vocab_size, **token_ids, **model})
 
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
-_SECTIONS = {"data": DataConfig, "tokenizer": TokenizerConfig, "optim": OptimConfig}
+
+_SECTIONS = {"data": DataConfig, "tokenizer": TokenizerConfig, "optim": OptimConfig, "deepspeed": DeepSpeedConfig,
+             "recompute": RecomputeConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+             "parallel": ParallelConfig}
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -115,7 +257,7 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def config_from_dict(raw: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
     for item in overrides:
         if "=" not in item:
@@ -133,7 +275,7 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] = ()) -> TrainCon
         raise ConfigError(str(e)) from e
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> TrainConfig:
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"training config {path} does not exist")

@@ -23,7 +23,7 @@ PROMPTS = ["Return the number of", "This module provides", "If the file"]
 
 
 def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None) -> list[str]:
-    overrides = [f"out_dir={out_dir}"]
+    overrides = [f"out_dir={out_dir}", "checkpoint.resume=never"]  # the demo always trains from scratch
     if steps is not None:
         overrides.append(f"max_steps={steps}")
     if corpus is not None:

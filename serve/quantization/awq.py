@@ -10,7 +10,6 @@ it. Then a per-group clipping range is searched (AutoAWQ's auto_clip) for every 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from baton.common.model import DecoderLayer
 from baton.serve.quantization.calibration import LayerRunner, collect_inputs

@@ -79,13 +79,14 @@ class LayerRunner:
         self.batch_size = batch_size
         with torch.no_grad():
             self.x = model.model.embed_tokens(tokens)
-        positions = torch.arange(tokens.shape[1], device=p.device)[None]
+        positions = torch.arange(tokens.shape[1], device=p.device).expand(min(batch_size, len(tokens)), -1)
         self.cos, self.sin = rotary_cos_sin(model.model.inv_freq.to(p.device), positions, p.dtype)
 
     @torch.no_grad()
     def run(self, layer: DecoderLayer) -> torch.Tensor:
         """The layer's outputs for every sample, in batches (hooks on its modules see each batch)."""
-        return torch.cat([layer(x, self.cos, self.sin, DenseCausalAttention()) for x in self.x.split(self.batch_size)])
+        attn = DenseCausalAttention()
+        return torch.cat([layer(x, self.cos[:len(x)], self.sin[:len(x)], attn) for x in self.x.split(self.batch_size)])
 
     def advance(self, layer: DecoderLayer) -> None:
         self.x = self.run(layer)

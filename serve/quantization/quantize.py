@@ -65,7 +65,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, qcfg: QuantConfig,
     if quantization_config(src) is not None:
         raise ValueError(f"{src} is already quantized ({quantization_config(src).get('format')}); "
                          "quantize its float checkpoint instead")
-    read_config(src)
+    if qcfg.method in ("awq", "smoothquant") and read_config(src).num_local_experts > 0:
+        raise ValueError(f"{qcfg.method} supports dense (non-MoE) models; use gptq or rtn for Mixtral")
     tokenizer = None
     if qcfg.needs_calibration:
         calib = calib or CalibrationConfig()

@@ -60,8 +60,8 @@ def int4_module(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor, z
                           scales=scales.float(), qzeros=zeros.float())
 
 
-def int8_module(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor, fmt: str = "int8") -> QuantLinear:
-    return quantized_like(linear, fmt, qweight=levels.to(torch.int8), scales=scales.float())
+def int8_module(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor) -> QuantLinear:
+    return quantized_like(linear, "int8", qweight=levels.to(torch.int8), scales=scales.float())
 
 
 @torch.no_grad()

@@ -1,0 +1,157 @@
+"""Speculative decoding benchmark: speedup, acceptance and where speculation stops paying.
+
+Trains (once, cached under benchmarks/results/spec-models/) a char-level target model on
+TinyShakespeare (or the embedded corpus), a small draft model with the same tokenizer, and
+Medusa heads on the frozen target; then decodes the same prompts with each mode at batch 1 and 8
+against plain decoding in the same run, and sweeps batch size to find where speculation loses.
+
+Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.sampling_params import SamplingParams
+from baton.serve.scheduler import SchedulerConfig
+from baton.serve.speculative import SpeculativeConfig
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
+    from baton.train.config import config_from_dict
+    from baton.train.medusa import MedusaTrainConfig, train_medusa
+    from baton.train.trainer import train
+
+    corpus = str(SHAKESPEARE) if SHAKESPEARE.is_file() else None
+    steps = 150 if quick else 600
+    common = {"data": {"path": corpus, "seq_len": 128, "val_fraction": 0.05}, "micro_batch_size": 12,
+              "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 30}, "eval_interval": 0}
+    target, draft = out / "target", out / "draft"
+    if not (target / "handoff" / "config.json").is_file():
+        train(config_from_dict({**common, "out_dir": str(target), "max_steps": steps, "tokenizer": {"kind": "char"},
+                                "model": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
+                                          "num_attention_heads": 8, "num_key_value_heads": 2,
+                                          "max_position_embeddings": 512}}))
+    if not (draft / "handoff" / "config.json").is_file():
+        train(config_from_dict({**common, "out_dir": str(draft), "max_steps": steps,
+                                "tokenizer": {"path": str(target / "handoff")},
+                                "model": {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                                          "num_attention_heads": 4, "num_key_value_heads": 2,
+                                          "max_position_embeddings": 512}}))
+    if not (target / "handoff" / "medusa_config.json").is_file():
+        from baton.train.data import DataConfig
+
+        train_medusa(MedusaTrainConfig(base=str(target / "handoff"), data=DataConfig(path=corpus, seq_len=128),
+                                       num_heads=3, steps=steps // 2, batch_size=12, lr=2e-3))
+    text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
+    return target / "handoff", draft / "handoff", text
+
+
+def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
+    return {
+        "plain": None,
+        "ngram k=4": SpeculativeConfig("ngram", 4),
+        "draft k=4": SpeculativeConfig("draft", 4, draft_model=str(draft)),
+        "draft tree k=3 w=2": SpeculativeConfig("draft", 3, draft_model=str(draft), tree_width=2),
+        "medusa k=3": SpeculativeConfig("medusa", 3),
+        "medusa tree k=3 w=2": SpeculativeConfig("medusa", 3, tree_width=2),
+    }
+
+
+def run(target: Path, spec, prompts: list[str], max_tokens: int) -> dict:
+    engine = LLMEngine.from_checkpoint(target, EngineConfig(num_kv_blocks=2048, block_size=16, speculative=spec,
+                                                            scheduler=SchedulerConfig(max_num_seqs=len(prompts))))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    engine.step()  # prefill outside the timed region
+    t, tokens, latencies = time.perf_counter(), 0, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                latencies.append((time.perf_counter() - t) / max_tokens)
+                tokens += len(out.outputs[0].token_ids)
+    wall = time.perf_counter() - t
+    s = engine.spec_stats
+    return {"tokens_per_s": tokens / wall, "ms_per_token": 1e3 * sum(latencies) / len(latencies),
+            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    RESULTS.mkdir(exist_ok=True)
+    target, draft, text = train_models(RESULTS / "spec-models", args.quick)
+    rng = random.Random(0)
+    source = text or "To be, or not to be, that is the question. " * 50
+    natural = [source[i:i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
+    passage = [source[i:i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
+    repetitive = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]  # the model is asked to repeat text
+    max_tokens = 48 if args.quick else 96
+    results: dict = {"rows": []}
+    for workload, prompts in (("natural", natural), ("repetitive", repetitive)):
+        for batch in (1, 8):
+            plain = None
+            for name, spec in modes(draft).items():
+                r = run(target, spec, prompts[:batch], max_tokens)
+                plain = plain or r
+                r.update(workload=workload, batch=batch, mode=name, speedup=r["tokens_per_s"] / plain["tokens_per_s"])
+                results["rows"].append(r)
+    sweep = []
+    for batch in (1, 2, 4, 8, 16, 32):
+        prompts = (natural * 8)[:batch]
+        base = run(target, None, prompts, max_tokens)["tokens_per_s"]
+        row = {"batch": batch, "plain": base}
+        for name in ("ngram k=4", "draft k=4", "medusa k=3"):
+            row[name] = run(target, modes(draft)[name], prompts, max_tokens)["tokens_per_s"] / base
+        sweep.append(row)
+    results["batch_sweep"] = sweep
+    (RESULTS / "speculative.json").write_text(json.dumps(results, indent=2))
+    print(f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}")
+    for r in results["rows"]:
+        print(f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+              f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}")
+    print("\nspeedup over plain decoding by batch size (natural prompts):")
+    for row in sweep:
+        print(f"  batch {row['batch']:>3}: plain {row['plain']:.0f} tok/s; "
+              + ", ".join(f"{k} {row[k]:.2f}x" for k in ("ngram k=4", "draft k=4", "medusa k=3")))
+    plot(results)
+
+
+def plot(r: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
+    rows = [x for x in r["rows"] if x["mode"] != "plain"]
+    labels = [f"{x['mode']}\n{x['workload'][:3]} b{x['batch']}" for x in rows]
+    ax[0].barh(range(len(rows)), [x["speedup"] for x in rows])
+    ax[0].set_yticks(range(len(rows)), labels, fontsize=6)
+    ax[0].axvline(1.0, c="gray", ls="--")
+    ax[0].set(xlabel="speedup over plain decoding", title="speculative decoding on this CPU")
+    sweep = r["batch_sweep"]
+    for k in ("ngram k=4", "draft k=4", "medusa k=3"):
+        ax[1].plot([x["batch"] for x in sweep], [x[k] for x in sweep], "o-", label=k)
+    ax[1].axhline(1.0, c="gray", ls="--")
+    ax[1].set(xscale="log", xlabel="batch size", ylabel="speedup", title="where speculation stops paying")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(RESULTS / "speculative.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Every bad recipe fails with a clear message before any training work: nothing is built,
+trained or written (the out_dir does not even appear) unless a later check needs data."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from baton.common.cli import main
+from baton.common.config import ConfigError
+from baton.train.config import config_from_dict, load_config
+
+from .conftest import TINY
+
+
+@pytest.mark.parametrize("override, message", [
+    (["bogus=1"], "unknown key(s) in training config: bogus"),
+    (["deepspeed.stagee=2"], "unknown key(s) in deepspeed: stagee"),
+    (["global_batch_size=10"], "global_batch_size 10 is not a multiple of micro_batch_size 4"),
+    (["grad_accum_steps=3"], "global_batch_size 8 is not a multiple of micro_batch_size 4 x grad_accum_steps 3"),
+    (["max_steps=0"], "max_steps must be a positive integer"),
+    (["optim.warmup_steps=50"], "warmup_steps 50 must be in 0..max_steps 20"),
+    (["data.path=/no/such/corpus.txt"], "no such file or directory"),
+    (["data.seq_len=128"], "data.seq_len 128 exceeds the model's max_position_embeddings 64"),
+    (["model.torch_dtype=bfloat16"], "training keeps float32 weights"),
+    (["model.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
+    (["backend=megatron"], "backend must be one of"),
+    (["recompute.mode=partial"], "recompute.mode must be one of"),
+    (["checkpoint.resume=/no/such/run"], "checkpoint.resume must be 'auto', 'never' or an existing"),
+    (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
+    (["deepspeed.offload_optimizer=cpu"], "offload needs backend: deepspeed"),
+    (["backend=deepspeed", "deepspeed.stage=4"], "deepspeed.stage must be 0, 1, 2 or 3"),
+    (["backend=deepspeed", "deepspeed.offload_optimizer=disk"], "offload_optimizer must be one of"),
+    (["backend=deepspeed", "deepspeed.stage=0", "deepspeed.offload_optimizer=cpu"], "needs ZeRO stage >= 1"),
+    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_param=cpu"], "offload_param needs ZeRO stage 3"),
+    # DeepSpeed's trap: nvme optimizer offload at stage 1/2 silently offloads to CPU memory.
+    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_optimizer=nvme", "deepspeed.nvme_path=/tmp"],
+     "nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently offloads to CPU"),
+    (["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme"], "needs deepspeed.nvme_path"),
+    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.cpu_adam=true"], "cpu_adam runs the optimizer on the host"),
+    (["backend=deepspeed", "deepspeed.extra={gradient_accumulation_steps: 4}"], "must not set gradient_accumulation_steps"),
+])
+def test_bad_recipe_is_rejected_before_anything_happens(recipe, tmp_path, capsys, override, message):
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(recipe), f"out_dir={out}", *override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("baton train: error:")
+    assert not out.exists()
+
+
+def test_batch_arithmetic_is_checked_against_the_world_size():
+    cfg = config_from_dict(TINY)  # global 8 = 4 micro x accum (derived) x ranks
+    assert [cfg.accum_steps(n) for n in (1, 2)] == [2, 1]
+    with pytest.raises(ConfigError, match="global_batch_size 8 is not divisible by micro_batch_size 4 x "
+                                          "data-parallel size 3"):
+        cfg.validate(data_parallel_size=3)
+    fixed = config_from_dict(TINY, ["grad_accum_steps=2"])
+    with pytest.raises(ConfigError, match=r"global_batch_size 8 != micro_batch_size 4 x grad_accum_steps 2 x "
+                                          r"data-parallel size 2 = 16"):
+        fixed.validate(data_parallel_size=2)
+
+
+def test_nvme_offload_without_libaio_is_rejected_up_front(recipe, tmp_path, capsys):
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if AsyncIOBuilder().is_compatible(verbose=False):
+        pytest.skip("libaio is installed here: the async_io op can be built")
+    out = tmp_path / "run"
+    args = ["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme",
+            f"deepspeed.nvme_path={tmp_path / 'nvme'}"]
+    assert main(["train", "--config", str(recipe), f"out_dir={out}", *args]) == 2
+    assert "async_io cannot be built on this machine (needs libaio: apt-get install libaio-dev)" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_resuming_with_another_global_batch_or_model_is_rejected(recipe, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(recipe), f"out_dir={out}", "max_steps=2", "export=false"]) == 0
+    before = (out / "metrics.jsonl").read_text()
+    assert main(["train", "--config", str(recipe), f"out_dir={out}", "global_batch_size=16"]) == 2
+    assert "trained with a global batch of 8 samples, this run has 16" in capsys.readouterr().err
+    assert main(["train", "--config", str(recipe), f"out_dir={out}", "model.hidden_size=48"]) == 2
+    assert "the model differs from the checkpoint's in head_dim, hidden_size" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == before  # nothing trained, nothing rewritten
+
+
+def test_too_little_data_for_one_global_batch(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text("To be, or not to be, that is the question. " * 3)
+    raw = {**TINY, "data": {**TINY["data"], "path": str(tmp_path / "t.txt"), "cache_dir": str(tmp_path / "c")}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(tmp_path / "r.yaml"), f"out_dir={tmp_path / 'run'}"]) == 2
+    assert "fewer than one global batch of 8" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("recipe_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch):
+    monkeypatch.chdir(recipe_file.parents[1])  # data paths are relative to the repository root
+    shakespeare = recipe_file.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    if "tinyshakespeare" in recipe_file.read_text() and not shakespeare.is_file():
+        pytest.skip("../shared/data/tinyshakespeare.txt is not here")
+    cfg = load_config(recipe_file)
+    cfg.validate(data_parallel_size=1)
+    if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks
+        cfg.validate(data_parallel_size=2)
+    assert cfg.out_dir.startswith("runs/")

@@ -1,0 +1,84 @@
+"""Training backends: how a step is executed across processes, and how its state is saved.
+
+`ddp` is plain PyTorch (one process, or DistributedDataParallel under torchrun); `deepspeed` is
+ZeRO stage 0-3 with CPU/NVMe offload; `torch3d` is dp x pp x cp x tp parallelism (baton.train.parallel).
+The training loop only sees the `Backend` protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from baton.common.model import AttentionBackend, CausalLM
+from baton.train.config import TrainConfig
+from baton.train.distributed import Dist
+
+
+@dataclass
+class StepResult:
+    applied: bool  # False: the update was skipped (non-finite loss or gradients)
+    grad_norm: float | None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a checkpoint's files depend on; a different layout is resumed through the universal form."""
+
+    backend: str
+    world_size: int
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+
+class Backend(Protocol):
+    module: CausalLM  # the bare model (parameters may be ZeRO-3 partitions)
+    layout: Layout
+
+    def forward_backward(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns the detached mean loss. `last`: the
+        step's final micro-batch, where gradients are reduced across ranks."""
+
+    def step(self, lr: float, loss_finite: bool) -> StepResult: ...
+
+    def eval_loss(self, batch: torch.Tensor) -> float: ...
+
+    def save(self, directory: Path) -> None:
+        """Collective: every rank writes its part into `directory` (shared by all ranks)."""
+
+    def load(self, directory: Path, saved: Layout) -> None:
+        """Collective: restore model and optimizer state from a checkpoint of any layout."""
+
+    def memory(self) -> dict[str, Any]: ...
+
+
+def param_groups(model: CausalLM, weight_decay: float) -> tuple[list[dict[str, Any]], list[list[str]]]:
+    """AdamW groups, and their parameter names: weight decay on matrices only (not norms,
+    biases), as nanoGPT and Megatron. ZeRO flattens each group into one buffer."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    split = [[(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named if p.dim() < 2]]
+    groups = [{"params": [p for _, p in g], "weight_decay": wd} for g, wd in zip(split, (weight_decay, 0.0))]
+    return groups, [[n for n, _ in g] for g in split]
+
+
+def lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in float32."""
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+def build_backend(cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist) -> Backend:
+    if cfg.backend == "deepspeed":
+        from baton.train.backends.deepspeed import DeepSpeedBackend
+
+        return DeepSpeedBackend(cfg, model, attn, dist)
+    if cfg.backend == "torch3d":
+        from baton.train.backends.torch3d import Torch3DBackend
+
+        return Torch3DBackend(cfg, model, attn, dist)
+    from baton.train.backends.ddp import DDPBackend
+
+    return DDPBackend(cfg, model, attn, dist)

@@ -1,0 +1,140 @@
+"""Resumable training checkpoints: out_dir/checkpoints/step_XXXXXXXX/.
+
+Each holds the backend's model + optimizer state (see baton.train.backends), trainer_state.json
+(step, data position, layout, tokens seen, skipped-step streak), every rank's RNG state, the
+model's config.json and the tokenizer, so `baton export` needs nothing else.
+
+Saving is atomic across ranks: rank 0 opens a hidden temporary directory (atomic_directory),
+every rank writes its part into it, and only after a barrier does rank 0 swap it into place; a
+run killed during a save leaves the previous checkpoints untouched. The last `keep_last` are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from baton.common.checkpoint import atomic_directory
+from baton.common.config import ConfigError, ModelConfig
+from baton.common.hf import config_to_hf
+from baton.common.tokenizer import Tokenizer
+from baton.train.backends import Backend, Layout
+from baton.train.config import TrainConfig
+from baton.train.distributed import Dist
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+FORMAT = "baton-train-checkpoint"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoints_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete step checkpoints under `root`, oldest first (temporary ones are hidden dirs)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A step checkpoint, given one, a checkpoints/ folder or a run's out_dir (latest wins)."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    found = list_checkpoints(path) or list_checkpoints(checkpoints_root(path))
+    if not found:
+        raise ConfigError(f"{path} holds no training checkpoint ({STATE_FILE} not found)")
+    return found[-1]
+
+
+def resolve_resume(cfg: TrainConfig) -> Path | None:
+    r = cfg.checkpoint.resume
+    if r == "never":
+        return None
+    if r == "auto":
+        found = list_checkpoints(checkpoints_root(cfg.out_dir))
+        return found[-1] if found else None
+    return find_checkpoint(r)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    state = json.loads((path / STATE_FILE).read_text())
+    if state.get("format") != FORMAT:
+        raise ConfigError(f"{path}/{STATE_FILE} is not a Baton training checkpoint")
+    return state
+
+
+def check_resumable(state: dict[str, Any], path: Path, cfg: TrainConfig, world_size: int) -> None:
+    """What must not change across a resume: the samples per step (the data order depends on it)."""
+    if state["global_batch"] != cfg.global_batch(world_size):
+        raise ConfigError(f"cannot resume {path}: it was trained with a global batch of {state['global_batch']} "
+                          f"samples, this run has {cfg.global_batch(world_size)}; set global_batch_size="
+                          f"{state['global_batch']} (grad_accum_steps then follows the world size)")
+    if state["step"] > cfg.max_steps:
+        raise ConfigError(f"cannot resume {path} (step {state['step']}) with max_steps={cfg.max_steps}")
+
+
+def check_model(state: dict[str, Any], path: Path, model_cfg: ModelConfig) -> None:
+    if state["model_config"] != model_cfg.to_dict():
+        diff = sorted(k for k, v in model_cfg.to_dict().items() if state["model_config"].get(k) != v)
+        raise ConfigError(f"cannot resume {path}: the model differs from the checkpoint's in {', '.join(diff)}")
+
+
+def saved_layout(state: dict[str, Any]) -> Layout:
+    return Layout(**state["layout"])
+
+
+def save(directory: Path, backend: Backend, dist: Dist, state: dict[str, Any], model_cfg: ModelConfig,
+         tokenizer: Tokenizer) -> None:
+    """Collective: write a checkpoint of the current step to `directory`, atomically."""
+    t0 = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(atomic_directory(directory)) if dist.is_main else None
+        tmp = Path(dist.broadcast_object(str(tmp)))
+        backend.save(tmp)
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, tmp / f"rng_rank{dist.rank}.safetensors")
+        if dist.is_main:
+            full = {"format": FORMAT, "version": 1, "layout": asdict(backend.layout), "model_config": model_cfg.to_dict(),
+                    "created_unix": time.time(), **state}
+            (tmp / "config.json").write_text(json.dumps(config_to_hf(model_cfg), indent=2) + "\n")
+            tokenizer.save(tmp / "tokenizer")
+            (tmp / STATE_FILE).write_text(json.dumps(full, indent=2) + "\n")  # written last: marks it complete
+        dist.barrier()  # every rank's part is on disk before rank 0 swaps the directory into place
+    dist.barrier()  # ... and no rank goes on before it is in place
+    if dist.is_main:
+        log.info("saved checkpoint %s in %.1fs", directory, time.perf_counter() - t0)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    for old in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def restore_rng(path: Path, dist: Dist, same_world_size: bool, seed: int, step: int) -> None:
+    """Each rank's own RNG stream; at another world size there is no such thing, so reseed."""
+    f = path / f"rng_rank{dist.rank}.safetensors"
+    if same_world_size and f.is_file():
+        rng = load_file(f)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        torch.manual_seed(seed + 1_000_003 * step + dist.rank)

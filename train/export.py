@@ -1,0 +1,40 @@
+"""Handoff: turn a training checkpoint (any backend, ZeRO-3 shards included) into the
+foundation's checkpoint format, with the tokenizer, for the server and for transformers.
+
+Consolidation reads the files (baton.train.universal), not a live engine, so it runs on one
+process after training, or later with `baton export`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
+from baton.train.checkpointing import find_checkpoint, read_state
+from baton.train.universal import read_any
+
+log = logging.getLogger(__name__)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
+    """Write the handoff checkpoint of `checkpoint` (a step directory, or a run's out_dir /
+    checkpoints folder, whose latest step is used) to `out_dir`, atomically."""
+    ckpt = find_checkpoint(checkpoint)
+    state = read_state(ckpt)
+    config = read_config(ckpt)
+    weights = read_any(ckpt, state["layout"]["backend"], with_optimizer=False).weights
+    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
+    state_dict = {name: weights[name].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
+    layout = state["layout"]
+    parallel = {"dp": layout["world_size"], "tp": 1, "pp": 1, "cp": 1}
+    if (ckpt / "parallel_layout.json").is_file():  # backend torch3d records its dp x pp x cp x tp
+        parallel = {k: v for k, v in json.loads((ckpt / "parallel_layout.json").read_text()).items() if k in parallel}
+    meta = HandoffMetadata(
+        producer="baton train", step=state["step"], tokens_seen=state["tokens_seen"], parallel_layout=parallel,
+        extra={"training": {"backend": layout["backend"], "zero_stage": layout["zero_stage"],
+                            "source_checkpoint": str(ckpt.resolve())}})
+    out = save_checkpoint(out_dir, config, state_dict, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
+    log.info("exported %s (step %d) to %s", ckpt, state["step"], out)
+    return out

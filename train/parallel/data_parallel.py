@@ -1,0 +1,30 @@
+"""Data parallelism over dp x cp, applied last: FSDP2 (fully_shard) or DDP.
+
+FSDP2 shards every parameter (tensor-parallel DTensors included, giving 2D dp x tp shards) over
+the data mesh, one unit per decoder layer plus the chunk itself (embedding, norm, head), so only
+one layer is gathered at a time. Under pipelining the parameters stay gathered between micro-
+batches (reshard_after_forward=False), trading memory for not re-gathering every micro-batch.
+DDP keeps a full replica per rank and all-reduces gradients; it cannot hold DTensor parameters.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from baton.train.parallel.pipeline import ModelChunk
+
+
+def apply_fsdp(chunks: list[ModelChunk], mesh: DeviceMesh, pipelined: bool) -> list[nn.Module]:
+    for chunk in chunks:
+        for layer in chunk.model.layers.values():
+            fully_shard(layer, mesh=mesh, reshard_after_forward=not pipelined)
+        fully_shard(chunk, mesh=mesh, reshard_after_forward=not pipelined)
+    return list(chunks)
+
+
+def apply_ddp(chunks: list[ModelChunk], mesh: DeviceMesh) -> list[nn.Module]:
+    """The DDP wrappers to run (the chunks themselves keep the parameter names)."""
+    return [DistributedDataParallel(c, process_group=mesh.get_group()) for c in chunks]

@@ -1,18 +1,21 @@
-"""The README's main job on the embedded default: train -> hand off -> load -> generate.
+"""The README's main job on the embedded default: train -> hand off -> serve -> query.
 
-Grows with the project: once the server lands, the last step becomes serve -> query.
+Trains the demo recipe, starts `baton serve` on the handoff checkpoint as a separate process on
+a free loopback port, queries it over gRPC with Baton's client, checks the answers against the
+offline engine, and shuts the server down gracefully.
 """
 
 from __future__ import annotations
 
 import logging
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
-import torch
-
-from baton.common.checkpoint import load_checkpoint
-from baton.common.model import greedy_generate
-from baton.common.tokenizer import Tokenizer
 from baton.train.config import load_config
 from baton.train.trainer import train
 
@@ -20,28 +23,90 @@ log = logging.getLogger(__name__)
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 PROMPTS = ["Return the number of", "This module provides", "If the file"]
+MAX_TOKENS = 40
+
+
+class ServerProcess:
+    """`baton serve` in a subprocess; its port is read from its log line "listening on HOST:PORT"."""
+
+    def __init__(self, model_dir: Path, timeout_s: float = 120.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "baton.common.cli", "serve", "--model", str(model_dir),
+                                      "--port", "0", "--metrics-port", "-1"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while self.port is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("baton serve did not start:\n" + "".join(self.lines[-20:]))
+            time.sleep(0.05)
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            m = re.search(r"listening on [\d.]+:(\d+)", line)
+            if m:
+                self.port = int(m.group(1))
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # graceful: drain, then exit 0
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def wait_until_serving(client, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if client.health() == "SERVING":
+                return
+        except Exception:  # noqa: BLE001 - not listening yet
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("baton serve never reported SERVING")
+        time.sleep(0.1)
 
 
 def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None) -> list[str]:
+    from baton.serve.client import BatonClient
+    from baton.serve.llm import LLM
+    from baton.serve.sampling_params import SamplingParams
+
     overrides = [f"out_dir={out_dir}", "checkpoint.resume=never"]  # the demo always trains from scratch
     if steps is not None:
         overrides.append(f"max_steps={steps}")
     if corpus is not None:
         overrides.append(f"data.path={corpus}")
     cfg = load_config(DEMO_CONFIG, overrides)
-    print(f"[1/3] training a {cfg.model.get('preset', 'custom')} model for {cfg.max_steps} steps "
+    print(f"[1/4] training a {cfg.model.get('preset', 'custom')} model for {cfg.max_steps} steps "
           f"on {cfg.data.path or 'the embedded Python-docstring corpus'}")
     result = train(cfg)
     print(f"      train loss {result.final_train_loss:.3f}, val loss {result.final_val_loss:.3f}, "
           f"{result.tokens_per_second:,.0f} tokens/s")
-    print(f"[2/3] handing off: loading {result.handoff_dir} as the server would")
-    ckpt = load_checkpoint(result.handoff_dir)
-    tok = Tokenizer.from_dir(result.handoff_dir)
-    print("[3/3] generating (greedy, 40 tokens) from the handed-off checkpoint:")
+    print(f"[2/4] handed off to {result.handoff_dir}")
+    server = ServerProcess(result.handoff_dir)
+    print(f"[3/4] serving it with `baton serve` on 127.0.0.1:{server.port}")
     outputs = []
-    for prompt in PROMPTS:
-        ids = greedy_generate(ckpt.model.eval(), torch.tensor([tok.encode(prompt)]), 40)
-        text = prompt + tok.decode(ids[0].tolist())
-        outputs.append(text)
-        print(f"  > {text!r}")
+    try:
+        with BatonClient(f"127.0.0.1:{server.port}", timeout=120) as client:
+            wait_until_serving(client)
+            print(f"[4/4] querying it over gRPC (greedy, {MAX_TOKENS} tokens):")
+            for prompt in PROMPTS:
+                reply = client.complete(prompt, max_tokens=MAX_TOKENS, temperature=0.0)
+                outputs.append(prompt + reply.completions[0].text)
+                print(f"  > {outputs[-1]!r}")
+    finally:
+        code = server.stop()
+    if code != 0:
+        raise RuntimeError(f"baton serve exited with {code}:\n" + "".join(server.lines[-20:]))
+    offline = LLM(result.handoff_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    if [p + o.outputs[0].text for p, o in zip(PROMPTS, offline)] != outputs:
+        raise RuntimeError("the server's answers differ from the offline engine's")
+    print("      the server's answers equal the offline engine's; server shut down cleanly")
     return outputs

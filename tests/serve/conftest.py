@@ -47,3 +47,18 @@ def llama_dir(tmp_path_factory):
     model.config.eos_token_id = tok.eos_token_id
     save_model(tmp / "with-tok", model, tokenizer=tok)
     return tmp / "with-tok"
+
+
+def run_staggered(engine, prompts, params, every: int = 3) -> list[list[int]]:
+    """Submit one prompt every `every` steps while the others run (continuous batching);
+    return each prompt's output token ids."""
+    pending, done, step = list(enumerate(prompts)), {}, 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        step += 1
+    return [done[i] for i in range(len(prompts))]

@@ -12,7 +12,7 @@ from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 
-from .conftest import BASE, FAMILIES, make_hf_checkpoint
+from .conftest import BASE, FAMILIES, make_hf_checkpoint, run_staggered
 
 LENGTHS = (3, 41, 17, 90, 6, 33)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -23,19 +23,6 @@ def _prompts(seed=0, lengths=LENGTHS):
     return [torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
-def _run_staggered(engine: LLMEngine, prompts, params=GREEDY, every=3):
-    """Submit one prompt every `every` steps while the others run (continuous batching)."""
-    pending = list(enumerate(prompts))
-    done, step = {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        step += 1
-    return [done[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -50,7 +37,7 @@ def test_greedy_matches_hf_generate_with_staggered_arrivals(tmp_path, family):
         expected.append(out[0, len(p):].tolist())
     engine = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=128, block_size=8,
                                                           scheduler=SchedulerConfig(max_num_batched_tokens=64)))
-    assert _run_staggered(engine, prompts) == expected
+    assert run_staggered(engine, prompts, GREEDY) == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -79,7 +66,7 @@ def test_modes_give_identical_outputs(llama_ckpt, mode):
     prompts = _prompts() + [shared + p for p in _prompts(seed=2, lengths=(5, 9, 21))]  # shared prefix
     expected = [greedy_generate(model, torch.tensor([p]), 24)[0].tolist() for p in prompts]
     engine = LLMEngine.from_checkpoint(llama_ckpt, MODES[mode])
-    assert _run_staggered(engine, prompts, every=2) == expected
+    assert run_staggered(engine, prompts, GREEDY, every=2) == expected
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)

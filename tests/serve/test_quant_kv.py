@@ -8,21 +8,9 @@ from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.quantization.kv_cache import dequantize_kv, quantize_kv
 from baton.serve.sampling_params import SamplingParams
 
-from .conftest import BASE
+from .conftest import BASE, run_staggered
 
 
-def _run_staggered(engine: LLMEngine, prompts, params, every=3):
-    """Submit one prompt every `every` steps while the others decode (continuous batching)."""
-    pending, done, step = list(enumerate(prompts)), {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        step += 1
-    return [done[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("kind,rel", [("int8", 0.5 / 127), ("fp8", 2**-4)])
@@ -47,7 +35,7 @@ def test_quantized_kv_cache_greedy_agrees_with_float_cache(llama_dir, kind):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     ref = LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=64, block_size=8))
     eng = LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, kv_cache_dtype=kind))
-    want, got = _run_staggered(ref, prompts, params), _run_staggered(eng, prompts, params)
+    want, got = run_staggered(ref, prompts, params), run_staggered(eng, prompts, params)
     pool = eng.runner.kv_caches[0][0]
     assert pool.dtype == torch.uint8 and pool.shape[-1] == BASE["hidden_size"] // BASE["num_attention_heads"] + 4
     same = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g)) / sum(len(w) for w in want)

@@ -16,6 +16,8 @@ from baton.serve.scheduler import SchedulerConfig
 from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig, choose
 
+from .conftest import run_staggered
+
 CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256)
 
@@ -58,17 +60,6 @@ def _prompts():
     return prompts + [[7, 8, 9, 10, 11] * 8]  # repetitive: n-gram lookup has something to find
 
 
-def _run(engine, prompts, params, every=2):
-    pending, done, step = list(enumerate(prompts)), {}, 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out.outputs[0].token_ids
-        step += 1
-    return [done[i] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("mode", ["ngram", "ngram-adaptive", "draft", "draft-agreeing", "draft-tree", "medusa-chain", "medusa-tree"])
@@ -82,7 +73,7 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
         cfg = EngineConfig(num_kv_blocks=22, block_size=8, speculative=spec_modes(d)[mode],
                            scheduler=SchedulerConfig(max_num_batched_tokens=24, preemption_mode="swap"))
     engine = LLMEngine.from_checkpoint(d / "target", cfg)
-    got = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+    got = run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True), every=2)
     assert got == expected
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
@@ -102,7 +93,7 @@ def test_prefix_caching_with_speculation(models):
     expected = [greedy_generate(target, torch.tensor([p]), 20)[0].tolist() for p in prompts]
     engine = LLMEngine.from_checkpoint(d / "target", EngineConfig(
         num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("draft", 4, draft_model=str(d / "agreeing"))))
-    assert _run(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), every=3) == expected
+    assert run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), every=3) == expected
     assert engine.block_manager.prefix_hits > 0
 
 

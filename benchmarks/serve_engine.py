@@ -49,7 +49,7 @@ def workload(n: int, seed: int = 0) -> list[tuple[list[int], int]]:
 
 
 def engine_for(ckpt: Path, **kw) -> LLMEngine:
-    sched = SchedulerConfig(max_num_seqs=kw.pop("max_num_seqs", 64), max_num_batched_tokens=kw.pop("budget", 512))
+    sched = SchedulerConfig(max_num_seqs=kw.pop("max_num_seqs", 256), max_num_batched_tokens=kw.pop("budget", 2048))
     return LLMEngine.from_checkpoint(ckpt, EngineConfig(kv_cache_bytes=512 * 2**20, scheduler=sched, **kw))
 
 

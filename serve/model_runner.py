@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import logging
+
 import torch
 
 from baton.common.model import CausalLM
@@ -9,6 +14,30 @@ from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
+
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """CPU serving allocates tens of MB per step (gathered K/V, activations) and frees it again.
+    glibc serves such blocks with mmap and returns them to the OS on free, so every step would
+    page-fault them back in (zeroed by the kernel) - a third of a decode step on this CPU. Raise
+    the mmap and trim thresholds once so freed memory stays in the heap for the next step (what
+    vLLM's CPU backend gets by preloading tcmalloc)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, (1 << 31) - 1))
+    log.debug("keeping freed memory in the heap for CPU serving: %s", ok)
+    return ok
 
 
 def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -25,6 +54,8 @@ class ModelRunner:
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()
         self.block_size = block_size
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
         shape = (cfg.num_key_value_heads, width)

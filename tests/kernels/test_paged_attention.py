@@ -116,3 +116,13 @@ def test_write_then_decode_end_to_end():
     got = pa.paged_attention_decode_triton(q, k_cache, v_cache, tables, lens + 1, num_splits=2)
     torch.testing.assert_close(got, ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens + 1),
                                **TOL[torch.float32])
+
+
+def test_length_buckets_cover_every_row_once_within_the_waste_bound():
+    lens = [0, 1, 17, 100, 250, 251, 30, 16, 900, 5]
+    groups = pa.length_buckets(lens, max_waste=2.0)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        assert lens[g[0]] == max(lens[i] for i in g)  # the first row sizes the group's padding
+        assert all(lens[i] * 2.0 >= lens[g[0]] for i in g)
+    assert len(pa.length_buckets([7] * 5)) == 1

@@ -246,26 +246,34 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
     scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
     k_blocks, v_blocks = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
     lens = context_lens.tolist()
-    out = torch.empty_like(q)
-    for rows in length_buckets(lens):
-        n, nblocks = len(rows), cdiv(lens[rows[0]], page_size)
-        width = nblocks * page_size
-        idx = torch.tensor(rows, device=q.device)
+    groups = length_buckets(lens)
+    out = torch.empty_like(q) if len(groups) > 1 else None
+    for rows in groups:
+        n, width = len(rows), lens[rows[0]]
+        nblocks = cdiv(width, page_size)
+        idx = torch.tensor(rows, device=q.device) if out is not None else slice(None)  # one group: no copies
         blocks = block_tables[idx, :nblocks].long().clamp(min=0).flatten()
-        keys = torch.index_select(k_blocks, 0, blocks).view(n, width * num_kv_heads, head_dim).float()
-        vals = torch.index_select(v_blocks, 0, blocks).view(n, width, num_kv_heads * head_dim).float()
-        qg = q[idx].float().view(n, num_heads, head_dim)
-        scores = torch.bmm(keys, qg.transpose(1, 2)).view(n, width, num_kv_heads, num_kv_heads, group)
-        scores = torch.diagonal(scores, dim1=2, dim2=3).permute(0, 3, 2, 1)  # [n, Hkv, G, L]: own head only
-        pos = torch.arange(width, device=q.device)[None, :]
-        ctx = context_lens[idx].long()[:, None]
-        keep = pos < ctx
-        if sliding_window is not None:
-            keep &= pos > ctx - 1 - sliding_window
-        probs = torch.softmax((scores * scale).masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
-        o = torch.bmm(probs.reshape(n, num_heads, width), vals).view(n, num_kv_heads, group, num_kv_heads, head_dim)
-        out[idx] = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, num_heads, head_dim).to(q.dtype)
-    return out
+        keys = torch.index_select(k_blocks, 0, blocks).view(n, nblocks * page_size, num_kv_heads * head_dim)[:, :width]
+        vals = torch.index_select(v_blocks, 0, blocks).view(n, nblocks * page_size, num_kv_heads * head_dim)[:, :width].float()
+        qg = (q[idx].float() * scale).view(n, num_heads, head_dim)
+        scores = torch.bmm(keys.reshape(n, width * num_kv_heads, head_dim).float(), qg.transpose(1, 2))
+        scores = torch.diagonal(scores.view(n, width, num_kv_heads, num_kv_heads, group), dim1=2, dim2=3)
+        scores = scores.permute(0, 3, 2, 1)  # [n, Hkv, G, L]: each query head against its own kv head
+        shorter = any(lens[r] < width for r in rows)
+        if shorter or (sliding_window is not None and sliding_window < width):
+            pos = torch.arange(width, device=q.device)[None, :]
+            ctx = context_lens[idx].long()[:, None]
+            keep = pos < ctx
+            if sliding_window is not None:
+                keep &= pos > ctx - 1 - sliding_window
+            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).reshape(n, num_heads, width)
+        o = torch.bmm(probs, vals).view(n, num_kv_heads, group, num_kv_heads, head_dim)
+        o = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, num_heads, head_dim).to(q.dtype)
+        if out is None:
+            return o
+        out[idx] = o
+    return out if out is not None else torch.empty_like(q)
 
 
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,

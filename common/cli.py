@@ -63,10 +63,14 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from baton.train.config import load_config
+    from baton.train.config import load_recipe
+    from baton.train.medusa import MedusaTrainConfig, train_medusa
     from baton.train.trainer import train
 
-    cfg = load_config(args.config, args.overrides)  # fails here, before any work, on a bad recipe
+    cfg = load_recipe(args.config, args.overrides)  # fails here, before any work, on a bad recipe
+    if isinstance(cfg, MedusaTrainConfig):
+        print(f"Medusa heads written into {train_medusa(cfg)} (serve with: baton serve --speculative medusa)")
+        return 0
     result = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under a launcher, one report
         print(f"Trained {result.steps} steps ({result.tokens_seen:,} tokens); handoff checkpoint: {result.handoff_dir}")
@@ -199,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a text/JSONL file or directory (default: the embedded corpus)")
     p.set_defaults(func=_demo)
 
-    p = sub.add_parser("train", help="train a model from a YAML recipe (configs/*.yaml)")
+    p = sub.add_parser("train", help="train a model, or Medusa heads for one, from a YAML recipe (configs/*.yaml)")
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
     p.set_defaults(func=_train)

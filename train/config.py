@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,13 +258,25 @@ def _set(tree: dict[str, Any], dotted: str, value: Any) -> None:
     tree[leaf] = value
 
 
-def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A copy of the recipe with each dotted key=value override (a YAML value) set."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (raw or {}).items()}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. optim.lr=1e-3)")
         key, value = item.split("=", 1)
-        _set(raw, key.strip(), yaml.safe_load(value))
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str) and _EXPONENT.fullmatch(value.strip()):
+            parsed = float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+        _set(raw, key.strip(), parsed)
+    return raw
+
+
+def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    raw = apply_overrides(raw, overrides)
     top = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(raw) - top)
     if unknown:
@@ -275,11 +288,26 @@ def config_from_dict(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]
         raise ConfigError(str(e)) from e
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+def _read_recipe(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"training config {path} does not exist")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a YAML mapping at the top level")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    return config_from_dict(_read_recipe(path), overrides)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()):
+    """What `baton train` runs: a model recipe (TrainConfig), or - when the recipe has a top-level
+    `medusa:` section - Medusa heads for a frozen handoff checkpoint (MedusaTrainConfig)."""
+    raw = _read_recipe(path)
+    if "medusa" in raw:
+        from baton.train.medusa import medusa_config_from_dict
+
+        return medusa_config_from_dict(raw, overrides)
     return config_from_dict(raw, overrides)

@@ -105,3 +105,9 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch):
     if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks
         cfg.validate(data_parallel_size=2)
     assert cfg.out_dir.startswith("runs/")
+
+
+def test_exponent_overrides_are_numbers():
+    """YAML 1.1 reads 1e-3 (no dot) as a string; an override written that way is still a number."""
+    cfg = config_from_dict(TINY, ["optim.lr=1e-3", "optim.min_lr=5E-5"])
+    assert cfg.optim.lr == 1e-3 and cfg.optim.min_lr == 5e-5

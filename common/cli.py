@@ -105,7 +105,8 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.serve.speculative import SpeculativeConfig
 
     spec = None if args.speculative is None else SpeculativeConfig(
-        args.speculative, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
+        args.speculative, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
+        disable_above_batch=args.speculative_disable_above_batch)
     engine = EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_model_len=args.max_model_len,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), speculative=spec)
@@ -265,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", choices=["ngram", "draft", "medusa"], default=None, help="speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
+    p.add_argument("--speculative-disable-above-batch", type=int, default=None, metavar="N",
+                   help="no speculation while more than N sequences decode (it stops paying; see docs/benchmarks.md)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="cast weights on load")
     p.add_argument("--device", default="cpu")
     p.set_defaults(func=_serve)

@@ -50,6 +50,8 @@ class SpeculativeConfig:
             raise ValueError("num_speculative_tokens must be >= 1")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")
+        if self.disable_above_batch is not None and self.disable_above_batch < 1:
+            raise ValueError(f"disable_above_batch must be >= 1 (or None), got {self.disable_above_batch}")
         if self.tree_width < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need tree_width >= 1 and 1 <= ngram_min <= ngram_max")
 

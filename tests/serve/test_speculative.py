@@ -190,9 +190,38 @@ def test_bad_speculative_configs(models):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("eagle")))
     with pytest.raises(ValueError, match="needs draft_model"):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("draft")))
+    with pytest.raises(ValueError, match="disable_above_batch must be >= 1"):
+        LLMEngine.from_checkpoint(d / "target", EngineConfig(
+            num_kv_blocks=8, speculative=SpeculativeConfig("ngram", disable_above_batch=0)))
     other_vocab = build_model(ModelConfig(**{**CFG, "vocab_size": 50}), seed=0)
     save_model(d / "bad-draft", other_vocab)
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(
             num_kv_blocks=8, speculative=SpeculativeConfig("draft", draft_model=str(d / "bad-draft"))))
     assert load_checkpoint(d / "target").model is not None
+
+
+def test_speculation_switches_off_above_the_batch_limit(models):
+    """disable_above_batch=2: while 3 sequences decode nothing is proposed; once only 2 are left,
+    speculation resumes - and the outputs are plain decoding's either way."""
+    d, target = models
+    loop = [7, 8, 9, 10, 11] * 8  # n-gram lookup always finds a proposal here
+    engine = LLMEngine.from_checkpoint(d / "target", EngineConfig(
+        num_kv_blocks=256, speculative=SpeculativeConfig("ngram", 4, disable_above_batch=2)))
+    lengths = (24, 6, 6)  # the two short requests finish first, then one sequence is left
+    for i, n in enumerate(lengths):
+        engine.add_request(str(i), loop, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    outputs, proposed_while_full = {}, []
+    while engine.has_unfinished_requests():
+        full = len(engine.scheduler.running) > 2
+        before = engine.spec_stats.proposed
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+        if full:
+            proposed_while_full.append(engine.spec_stats.proposed - before)
+    assert proposed_while_full and not any(proposed_while_full)
+    assert engine.spec_stats.proposed > 0  # the long request speculated once it ran with fewer
+    want = greedy_generate(target, torch.tensor([loop]), max(lengths))[0].tolist()
+    for i, n in enumerate(lengths):
+        assert outputs[str(i)] == want[:n]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -237,39 +238,36 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
                                  max_score_estimate=None):
     """CPU path: rows of similar length are gathered from the pools (index_select of whole blocks)
     into a padded batch, so a batch of wildly different lengths does not copy every row at the
-    longest one's length. Scores and outputs are two dense bmm's over all (kv head, query head)
-    pairs, keeping only the matching ones: 4x the FLOPs of a per-head loop, but on a CPU the
-    contiguous bmm is faster than transposing the gathered K/V."""
+    longest one's length; one SDPA call per group (GQA without repeating K/V, a mask only when a
+    row is shorter than its group's longest or a window applies)."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
     k_blocks, v_blocks = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
     lens = context_lens.tolist()
     groups = length_buckets(lens)
     out = torch.empty_like(q) if len(groups) > 1 else None
     for rows in groups:
         n, width = len(rows), lens[rows[0]]
-        nblocks = cdiv(width, page_size)
         idx = torch.tensor(rows, device=q.device) if out is not None else slice(None)  # one group: no copies
-        blocks = block_tables[idx, :nblocks].long().clamp(min=0).flatten()
-        keys = torch.index_select(k_blocks, 0, blocks).view(n, nblocks * page_size, num_kv_heads * head_dim)[:, :width]
-        vals = torch.index_select(v_blocks, 0, blocks).view(n, nblocks * page_size, num_kv_heads * head_dim)[:, :width].float()
-        qg = (q[idx].float() * scale).view(n, num_heads, head_dim)
-        scores = torch.bmm(keys.reshape(n, width * num_kv_heads, head_dim).float(), qg.transpose(1, 2))
-        scores = torch.diagonal(scores.view(n, width, num_kv_heads, num_kv_heads, group), dim1=2, dim2=3)
-        scores = scores.permute(0, 3, 2, 1)  # [n, Hkv, G, L]: each query head against its own kv head
-        shorter = any(lens[r] < width for r in rows)
-        if shorter or (sliding_window is not None and sliding_window < width):
-            pos = torch.arange(width, device=q.device)[None, :]
-            ctx = context_lens[idx].long()[:, None]
-            keep = pos < ctx
-            if sliding_window is not None:
-                keep &= pos > ctx - 1 - sliding_window
-            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).reshape(n, num_heads, width)
-        o = torch.bmm(probs, vals).view(n, num_kv_heads, group, num_kv_heads, head_dim)
-        o = torch.diagonal(o, dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(n, num_heads, head_dim).to(q.dtype)
+        if width == 0:  # empty slots (batch padding) attend to nothing
+            o = torch.zeros(n, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        else:
+            nblocks = -(-width // page_size)
+            blocks = block_tables[idx, :nblocks].long().clamp(min=0).flatten()
+            shape = (n, nblocks * page_size, num_kv_heads, head_dim)
+            keys = torch.index_select(k_blocks, 0, blocks).view(shape)[:, :width].transpose(1, 2)  # [n, Hkv, L, D]
+            vals = torch.index_select(v_blocks, 0, blocks).view(shape)[:, :width].transpose(1, 2)
+            mask = None
+            if any(lens[r] < width for r in rows) or (sliding_window is not None and sliding_window < width):
+                pos = torch.arange(width, device=q.device)[None, :]
+                ctx = context_lens[idx].long()[:, None]
+                keep = pos < ctx
+                if sliding_window is not None:
+                    keep &= pos > ctx - 1 - sliding_window
+                mask = torch.zeros(n, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~keep[:, None, None, :], float("-inf"))
+            o = F.scaled_dot_product_attention(q[idx][:, :, None, :], keys, vals, attn_mask=mask,
+                                               scale=softmax_scale, enable_gqa=True)[:, :, 0, :]
         if out is None:
             return o
         out[idx] = o

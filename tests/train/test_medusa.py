@@ -16,13 +16,18 @@ from baton.train.medusa import MedusaTrainConfig, medusa_loss, train_medusa
 TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(400))
 
 
-def test_heads_learn_and_base_stays_frozen(tmp_path):
+def _base(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     tok = train_char(TEXT)
     base = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, max_position_embeddings=128), seed=0)
     save_model(tmp_path / "base", base, tokenizer=tok)
+    return corpus, tok, base
+
+
+def test_heads_learn_and_base_stays_frozen(tmp_path):
+    corpus, tok, _ = _base(tmp_path)
     data = DataConfig(path=str(corpus), seq_len=48, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
     cfg = MedusaTrainConfig(base=str(tmp_path / "base"), data=data, num_heads=2, steps=60, batch_size=8, lr=3e-3)
 
@@ -49,16 +54,6 @@ def test_heads_learn_and_base_stays_frozen(tmp_path):
 def test_bad_medusa_configs(tmp_path):
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         MedusaTrainConfig(base=str(tmp_path))
-
-
-def _base(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    tok = train_char(TEXT)
-    base = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, max_position_embeddings=128), seed=0)
-    save_model(tmp_path / "base", base, tokenizer=tok)
-    return corpus, tok, base
 
 
 def test_self_distilled_blocks_are_the_bases_own_greedy_continuations(tmp_path):

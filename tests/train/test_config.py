@@ -6,9 +6,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from baton.common.checkpoint import save_model
 from baton.common.cli import main
-from baton.common.config import ConfigError
-from baton.train.config import config_from_dict, load_config
+from baton.common.config import ConfigError, ModelConfig
+from baton.common.model import build_model
+from baton.common.tokenizer import train_char
+from baton.train.config import config_from_dict, load_recipe
+from baton.train.medusa import MedusaTrainConfig
 
 from .conftest import TINY
 
@@ -95,12 +99,22 @@ def test_too_little_data_for_one_global_batch(tmp_path, capsys):
 
 @pytest.mark.parametrize("recipe_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
                          ids=lambda p: p.name)
-def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch):
+def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
     monkeypatch.chdir(recipe_file.parents[1])  # data paths are relative to the repository root
     shakespeare = recipe_file.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    if "tinyshakespeare" in recipe_file.read_text() and not shakespeare.is_file():
+    text = recipe_file.read_text()
+    if "tinyshakespeare" in text and not shakespeare.is_file():
         pytest.skip("../shared/data/tinyshakespeare.txt is not here")
-    cfg = load_config(recipe_file)
+    if "runs/demo/handoff" in text:  # a recipe for the demo model (run after `baton demo`): a stand-in
+        tok = train_char("a stand-in for the demo model's tokenizer")
+        save_model(tmp_path / "demo", build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                                              num_hidden_layers=1, num_attention_heads=2)), tokenizer=tok)
+        recipe_file = tmp_path / recipe_file.name
+        recipe_file.write_text(text.replace("runs/demo/handoff", str(tmp_path / "demo")))
+    cfg = load_recipe(recipe_file)
+    if isinstance(cfg, MedusaTrainConfig):  # Medusa heads for a frozen model, checked on construction
+        assert cfg.base == str(tmp_path / "demo") and cfg.self_distill > 0
+        return
     cfg.validate(data_parallel_size=1)
     if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks
         cfg.validate(data_parallel_size=2)

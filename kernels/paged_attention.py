@@ -238,8 +238,8 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
                                  max_score_estimate=None):
     """CPU path: rows of similar length are gathered from the pools (index_select of whole blocks)
     into a padded batch, so a batch of wildly different lengths does not copy every row at the
-    longest one's length; one SDPA call per group (GQA without repeating K/V, a mask only when a
-    row is shorter than its group's longest or a window applies)."""
+    longest one's length; one SDPA call per group (each GQA group's query heads as rows against
+    their kv head, a mask only when a row is shorter than its group's longest or a window applies)."""
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_blocks, v_blocks = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
@@ -266,8 +266,10 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
                     keep &= pos > ctx - 1 - sliding_window
                 mask = torch.zeros(n, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(
                     ~keep[:, None, None, :], float("-inf"))
-            o = F.scaled_dot_product_attention(q[idx][:, :, None, :], keys, vals, attn_mask=mask,
-                                               scale=softmax_scale, enable_gqa=True)[:, :, 0, :]
+            # the GQA group's query heads are G query rows against their shared kv head: no K/V repeat
+            qg = q[idx].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=softmax_scale)
+            o = o.reshape(n, num_heads, head_dim)
         if out is None:
             return o
         out[idx] = o

@@ -8,6 +8,8 @@ size to find where speculation loses. Every mode runs 3 times, interleaved with 
 median run is reported.
 
 Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
+       python benchmarks/speculative.py --target runs/demo/handoff --draft runs/demo-draft/handoff --name speculative-demo
+         (the README demo model after configs/demo-draft.yaml and configs/demo-medusa.yaml)
 """
 
 from __future__ import annotations
@@ -114,10 +116,21 @@ def median_runs(target: Path, spec_modes: dict, prompts: list[str], max_tokens: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--target", help="measure this handoff checkpoint (with Medusa heads) instead of training one; "
+                                     "prompts then come from the embedded default corpus")
+    ap.add_argument("--draft", help="the draft checkpoint for --target")
+    ap.add_argument("--name", default="speculative", help="results file name (benchmarks/results/NAME.{json,png})")
     args = ap.parse_args()
     torch.manual_seed(0)
     RESULTS.mkdir(exist_ok=True)
-    target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
+    if args.target:
+        if not args.draft:
+            ap.error("--target needs --draft")
+        from baton.common.corpus import default_corpus_text
+
+        target, draft, text = Path(args.target), Path(args.draft), default_corpus_text()
+    else:
+        target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
     rng = random.Random(0)
     source = text or "To be, or not to be, that is the question. " * 50
     natural = [source[i:i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
@@ -140,7 +153,7 @@ def main() -> None:
         sweep.append({"batch": batch, "plain": base,
                       **{k: r["tokens_per_s"] / base for k, r in runs.items() if k != "plain"}})
     results["batch_sweep"] = sweep
-    (RESULTS / "speculative.json").write_text(json.dumps(results, indent=2))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     print(f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}")
     for r in results["rows"]:
         print(f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
@@ -149,10 +162,10 @@ def main() -> None:
     for row in sweep:
         print(f"  batch {row['batch']:>3}: plain {row['plain']:.0f} tok/s; "
               + ", ".join(f"{k} {row[k]:.2f}x" for k in SWEPT))
-    plot(results)
+    plot(results, RESULTS / f"{args.name}.png")
 
 
-def plot(r: dict) -> None:
+def plot(r: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,7 +185,7 @@ def plot(r: dict) -> None:
     ax[1].set(xscale="log", xlabel="batch size", ylabel="speedup", title="where speculation stops paying")
     ax[1].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "speculative.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,15 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from baton.train.distill import write_distillation_corpus
+
+    out = write_distillation_corpus(args.model, args.out, args.data, args.samples, args.seq_len, args.temperature,
+                                    args.seed)
+    print(f"Wrote {args.samples} continuations by {args.model} to {out} (train a draft on it: data.path={out})")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from baton.train.export import export_checkpoint
 
@@ -209,6 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser("distill", help="write a model's own continuations of corpus prompts (JSONL) to train a draft on")
+    p.add_argument("--model", required=True, help="the target checkpoint directory")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    p.add_argument("--data", default=None, help="where prompts come from (default: the embedded corpus)")
+    p.add_argument("--samples", type=int, default=2048, help="continuations to write")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per prompt + continuation")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = the model's greedy continuations")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_distill)
 
     p = sub.add_parser("export", help="consolidate a training checkpoint (any backend, ZeRO shards too) into a handoff checkpoint")
     p.add_argument("checkpoint", help="a step checkpoint, or a run's out_dir (its latest checkpoint is used)")

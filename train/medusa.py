@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from baton.common.checkpoint import load_checkpoint
-from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.config import ConfigError
+from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.tokenizer import Tokenizer
 from baton.train.data import DataConfig, build_datasets, torch_loader
+from baton.train.distill import teacher_continuations
 
 log = logging.getLogger(__name__)
 
@@ -76,26 +77,6 @@ def medusa_config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = 
         raise ConfigError(f"invalid Medusa recipe: {e}") from e
 
 
-def self_distilled_blocks(cfg: MedusaTrainConfig, train_ds) -> torch.Tensor:
-    """[N, seq_len + 1] blocks: a prompt (a quarter of a training block) and the base's own
-    continuation of it, generated with the serving engine (batched, paged KV)."""
-    from baton.serve.engine import EngineConfig
-    from baton.serve.llm import LLM
-    from baton.serve.sampling_params import SamplingParams
-    from baton.serve.scheduler import SchedulerConfig
-
-    width = cfg.data.seq_len + 1
-    prompt_len = max(1, width // 4)
-    pick = torch.randint(len(train_ds), (cfg.self_distill,), generator=torch.Generator().manual_seed(cfg.seed))
-    prompts = [list(train_ds[int(i)]["input_ids"][:prompt_len]) for i in pick]
-    params = [SamplingParams(temperature=cfg.self_distill_temperature, max_tokens=width - prompt_len, ignore_eos=True,
-                             seed=cfg.seed + i) for i in range(len(prompts))]
-    log.info("self-distillation: the base continues %d prompts of %d tokens to %d tokens", len(prompts), prompt_len, width)
-    llm = LLM(cfg.base, EngineConfig(kv_cache_bytes=256 * 2**20, scheduler=SchedulerConfig(max_num_seqs=64)))
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    return torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)], dtype=torch.long)
-
-
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, decay: float) -> tuple[torch.Tensor, list[float]]:
     """hidden [B, S, H] at positions 0..S-1 of tokens [B, S+1]; head k targets tokens[:, t+k+2]."""
     logits = heads(hidden)  # [K, B, S, V]
@@ -123,7 +104,10 @@ def train_medusa(cfg: MedusaTrainConfig) -> Path:
     log.info("training %d Medusa heads on frozen %s (%d blocks of %d tokens)", cfg.num_heads, cfg.base,
              len(train_ds), cfg.data.seq_len)
 
-    own = self_distilled_blocks(cfg, train_ds) if cfg.self_distill else None
+    own = None
+    if cfg.self_distill:
+        own = teacher_continuations(cfg.base, train_ds, cfg.self_distill, cfg.data.seq_len + 1,
+                                    cfg.self_distill_temperature, cfg.seed)
 
     def batches():
         epoch = 0

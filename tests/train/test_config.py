@@ -105,15 +105,17 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
     text = recipe_file.read_text()
     if "tinyshakespeare" in text and not shakespeare.is_file():
         pytest.skip("../shared/data/tinyshakespeare.txt is not here")
-    if "runs/demo/handoff" in text:  # a recipe for the demo model (run after `baton demo`): a stand-in
+    if "runs/demo/" in text:  # a recipe for the demo model (after `baton demo`, `baton distill`): stand-ins
         tok = train_char("a stand-in for the demo model's tokenizer")
-        save_model(tmp_path / "demo", build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                                                              num_hidden_layers=1, num_attention_heads=2)), tokenizer=tok)
+        save_model(tmp_path / "demo" / "handoff", build_model(ModelConfig(
+            vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2)), tokenizer=tok)
+        (tmp_path / "demo" / "distill.jsonl").write_text('{"text": "a stand-in continuation"}\n')
         recipe_file = tmp_path / recipe_file.name
-        recipe_file.write_text(text.replace("runs/demo/handoff", str(tmp_path / "demo")))
+        recipe_file.write_text(text.replace("runs/demo/", f"{tmp_path / 'demo'}/"))
     cfg = load_recipe(recipe_file)
     if isinstance(cfg, MedusaTrainConfig):  # Medusa heads for a frozen model, checked on construction
-        assert cfg.base == str(tmp_path / "demo") and cfg.self_distill > 0
+        assert cfg.base == str(tmp_path / "demo" / "handoff") and cfg.self_distill > 0
         return
     cfg.validate(data_parallel_size=1)
     if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks

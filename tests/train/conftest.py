@@ -202,3 +202,23 @@ def final_state(out_dir: Path, step: int = STEPS) -> UniversalState:
 def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)
+
+
+PATTERN_TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(400))
+
+
+def char_model_checkpoint(tmp_path: Path, name: str = "base"):
+    """A small random-weight model with a char tokenizer, saved to tmp_path/name, and a corpus file
+    of a repetitive pattern. Returns (corpus path, tokenizer, model)."""
+    from baton.common.checkpoint import save_model
+    from baton.common.config import ModelConfig
+    from baton.common.model import build_model
+    from baton.common.tokenizer import train_char
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(PATTERN_TEXT)
+    tok = train_char(PATTERN_TEXT)
+    model = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=128), seed=0)
+    save_model(tmp_path / name, model, tokenizer=tok)
+    return corpus, tok, model

@@ -7,25 +7,11 @@ import json
 
 import torch
 
-from baton.common.checkpoint import save_model
 from baton.common.cli import main
-from baton.common.config import ModelConfig
-from baton.common.model import build_model
-from baton.common.tokenizer import train_char
 from baton.train.data import DataConfig, build_datasets
 from baton.train.distill import teacher_continuations
 
-TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(200))
-
-
-def _model(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    tok = train_char(TEXT)
-    model = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=128), seed=0)
-    save_model(tmp_path / "model", model, tokenizer=tok)
-    return corpus, tok, model
+from .conftest import char_model_checkpoint
 
 
 def _greedy(model, ids: list[int], width: int) -> list[int]:
@@ -37,7 +23,7 @@ def _greedy(model, ids: list[int], width: int) -> list[int]:
 
 
 def test_teacher_continuations_are_the_models_own_greedy_output(tmp_path):
-    corpus, tok, model = _model(tmp_path)
+    corpus, tok, model = char_model_checkpoint(tmp_path, "model")
     ds, _ = build_datasets(DataConfig(path=str(corpus), seq_len=24, cache_dir=str(tmp_path / "cache")), tok)
     blocks = teacher_continuations(tmp_path / "model", ds, count=3, width=25)
     assert blocks.shape == (3, 25)
@@ -48,7 +34,7 @@ def test_teacher_continuations_are_the_models_own_greedy_output(tmp_path):
 
 
 def test_baton_distill_writes_a_jsonl_corpus(tmp_path, capsys):
-    corpus, tok, model = _model(tmp_path)
+    corpus, tok, model = char_model_checkpoint(tmp_path, "model")
     out = tmp_path / "runs" / "distill.jsonl"
     assert main(["distill", "--model", str(tmp_path / "model"), "--out", str(out), "--data", str(corpus),
                  "--samples", "4", "--seq-len", "16"]) == 0

@@ -5,29 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.common.checkpoint import load_checkpoint, save_model
-from baton.common.config import ModelConfig
+from baton.common.checkpoint import load_checkpoint
 from baton.common.medusa import load_medusa
-from baton.common.model import build_model
-from baton.common.tokenizer import train_char
 from baton.train.data import DataConfig, build_datasets, torch_loader
 from baton.train.medusa import MedusaTrainConfig, medusa_loss, train_medusa
 
-TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(400))
-
-
-def _base(tmp_path):
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(TEXT)
-    tok = train_char(TEXT)
-    base = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, max_position_embeddings=128), seed=0)
-    save_model(tmp_path / "base", base, tokenizer=tok)
-    return corpus, tok, base
+from .conftest import char_model_checkpoint
 
 
 def test_heads_learn_and_base_stays_frozen(tmp_path):
-    corpus, tok, _ = _base(tmp_path)
+    corpus, tok, _ = char_model_checkpoint(tmp_path)
     data = DataConfig(path=str(corpus), seq_len=48, val_fraction=0.1, cache_dir=str(tmp_path / "cache"))
     cfg = MedusaTrainConfig(base=str(tmp_path / "base"), data=data, num_heads=2, steps=60, batch_size=8, lr=3e-3)
 
@@ -62,7 +49,7 @@ def test_baton_train_runs_a_medusa_recipe(tmp_path):
 
     import yaml
 
-    corpus, _, _ = _base(tmp_path)
+    corpus, _, _ = char_model_checkpoint(tmp_path)
     recipe = tmp_path / "medusa.yaml"
     recipe.write_text(yaml.safe_dump({
         "medusa": {"base": str(tmp_path / "base"), "num_heads": 2, "steps": 5, "batch_size": 4, "self_distill": 8},

@@ -45,6 +45,10 @@ class EngineCollector:
                                             s["prefix_cache_hit_rate"]),
             "baton_generation_tokens_per_second": (f"Generated tokens per second over about {self._window_s:g} s",
                                                    self._tokens_per_s(time.monotonic(), s["generation_tokens"])),
+            "baton_spec_acceptance_rate": ("Speculative decoding: accepted / proposed tokens since start",
+                                           s["spec_acceptance_rate"]),
+            "baton_spec_mean_accepted_length": ("Speculative decoding: tokens gained per verification pass",
+                                                s["spec_mean_accepted_length"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -56,6 +60,9 @@ class EngineCollector:
             "baton_preemptions": ("Sequences preempted for lack of KV blocks", s["preemptions"]),
             "baton_prompt_tokens": ("Prompt tokens processed", s["prompt_tokens"]),
             "baton_generation_tokens": ("Tokens generated", s["generation_tokens"]),
+            "baton_spec_proposed_tokens": ("Speculative decoding: tokens proposed", s["spec_proposed_tokens"]),
+            "baton_spec_accepted_tokens": ("Speculative decoding: proposed tokens the target accepted",
+                                           s["spec_accepted_tokens"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

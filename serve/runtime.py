@@ -187,7 +187,10 @@ class Runtime:
                         running_seqs=len(sched.running), swapped_seqs=len(sched.swapped),
                         kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
                         prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sched.num_preemptions,
-                        prompt_tokens=e.stats["prompt_tokens"], generation_tokens=e.stats["generation_tokens"])
+                        prompt_tokens=e.stats["prompt_tokens"], generation_tokens=e.stats["generation_tokens"],
+                        spec_proposed_tokens=e.spec_stats.proposed, spec_accepted_tokens=e.spec_stats.accepted,
+                        spec_acceptance_rate=e.spec_stats.acceptance_rate,
+                        spec_mean_accepted_length=e.spec_stats.mean_accepted_length)
 
         numbers = self.engine.snapshot(read)
         numbers.update(active_calls=self.admission.running, queued_calls=self.admission.queued)

@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from baton.common.tokenizer import Tokenizer
 from baton.serve.client import BatonClient
+from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.runtime import Limits
+from baton.serve.sampling_params import SamplingParams
 
 from .server_fixtures import PROMPTS, ServerThread, offline
 
@@ -81,6 +83,7 @@ def test_tokenize_detokenize_and_info(llama_dir, client):
     assert (info.quantization, info.speculative_mode, info.kv_blocks, info.kv_block_size) == ("none", "none", 64, 8)
     s = client.server_info()
     assert s.state == "serving" and s.kv_blocks_total == 64 and s.uptime_s > 0
+    assert (s.spec_proposed_tokens, s.spec_accepted_tokens, s.spec_acceptance_rate) == (0, 0, 0.0)  # no speculation
 
 
 def test_cancel_and_deadline_abort_and_free_kv(client):
@@ -194,8 +197,27 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
                 msgs = list(c.generate(prompt, max_tokens=30, temperature=0, ignore_eos=True))
                 assert [t for m in msgs for t in m.completions[0].token_ids] == ids
                 assert "".join(m.completions[0].text for m in msgs) == text
+            info = c.server_info()
+            text = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
     finally:
         s.stop()
+    # The same requests, one at a time, through an offline engine with the same proposer: the
+    # server reports exactly its proposal and acceptance counts.
+    engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(
+        num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3)))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    want = engine.spec_stats
+    assert want.proposed > 0 and 0 < want.accepted <= want.proposed
+    assert (info.spec_proposed_tokens, info.spec_accepted_tokens) == (want.proposed, want.accepted)
+    assert info.spec_acceptance_rate == pytest.approx(want.acceptance_rate)
+    assert info.spec_mean_accepted_length == pytest.approx(want.mean_accepted_length)
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    assert next(x.value for x in fams["baton_spec_proposed_tokens"].samples) == want.proposed
+    assert next(x.value for x in fams["baton_spec_accepted_tokens"].samples) == want.accepted
+    assert next(x.value for x in fams["baton_spec_acceptance_rate"].samples) == pytest.approx(want.acceptance_rate)
 
 
 def test_quantized_checkpoint_reports_its_quantization(llama_dir, tmp_path):

@@ -157,13 +157,16 @@ def test_load_with_cancellations(server, reference):
         assert c.health() == "SERVING"
         assert list(c.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).completions[0].token_ids) \
             == reference[PROMPTS[0]][0]
-    api, want = "baton.serve.v1.BatonService/Generate", {"cancelled": len(left), "ok": len(done) + 1}
+    # Every call is counted once. A stream the client left may still count as "ok": the server can
+    # have sent its last message before the cancellation reached it.
+    api = "baton.serve.v1.BatonService/Generate"
     deadline = time.monotonic() + 10  # a request is counted just after its last message is sent
     while True:
         after = scrape(server)
-        got = {k: after.get((api, k), 0) - before.get((api, k), 0) for k in want}
-        if got == want or time.monotonic() > deadline:
+        got = {k: after.get((api, k), 0) - before.get((api, k), 0) for k in ("cancelled", "ok")}
+        if got["cancelled"] + got["ok"] == n + 1 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert got == want
+    assert got["cancelled"] + got["ok"] == n + 1, got
+    assert 1 <= got["cancelled"] <= len(left) and got["ok"] >= len(done) + 1, (got, len(done), len(left))
     print(f"load: {n} streams in {elapsed:.1f} s, {len(left)} cancelled midway")

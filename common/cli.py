@@ -116,6 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
     spec = None if args.speculative is None else SpeculativeConfig(
         args.speculative, num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model,
         disable_above_batch=args.speculative_disable_above_batch)
+    if spec is not None:
+        spec.validate()  # a bad speculative setting fails before the server binds its port
     engine = EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_bytes=args.kv_cache_mb * 2**20, max_model_len=args.max_model_len,
                           scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs), speculative=spec,

@@ -53,3 +53,7 @@ def test_errors_are_one_clear_line(tmp_path):
     proc = baton("train", "--config", str(tmp_path / "bad.yaml"), check=False)
     assert proc.returncode == 2 and "learning_rate" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+    # a bad speculative setting is refused before the server loads anything or binds a port
+    proc = baton("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", "--speculative", "ngram",
+                 "--speculative-disable-above-batch", "0", check=False)
+    assert proc.returncode == 2 and "disable_above_batch must be >= 1" in proc.stderr and "listening" not in proc.stderr

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._utils import LOG2E, alloc, cdiv, dot_precision, next_pow2, num_sms, use_triton
+from .cpu_extension import cpu_kernels
 from .online_softmax import attend_tile
 
 
@@ -276,12 +277,31 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
     return out if out is not None else torch.empty_like(q)
 
 
+def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
+                               sliding_window=None, num_splits=None, max_context_len=None,
+                               max_score_estimate=None):
+    """CPU path in C++ (csrc/paged_decode_cpu.cpp): reads K/V in place from the pools, no gather.
+    float32 only; splits and estimates change nothing."""
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    return cpu_kernels().paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32),
+                                      context_lens.to(torch.int32).contiguous(), scale, sliding_window or 0)
+
+
+def _cpu_kernel_fits(q, k_cache, v_cache) -> bool:
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cpu_kernels() is not None)
+
+
 def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
                            sliding_window=None, num_splits=None, max_context_len=None, max_score_estimate=None):
     """Decode attention: q [B, Hq, D] (one token per sequence, at position context_lens[b] - 1) over
     the paged pools. max_context_len (host int) sizes the splits without a device sync;
-    max_score_estimate switches on FlashDecoding++'s unified max (Triton path only)."""
-    impl = paged_attention_decode_triton if use_triton(q, k_cache) else paged_attention_decode_torch
+    max_score_estimate switches on FlashDecoding++'s unified max (Triton path only). CUDA runs the
+    Triton kernel; CPU float32 the C++ kernel when it could be built; anything else the torch path."""
+    if use_triton(q, k_cache):
+        impl = paged_attention_decode_triton
+    else:
+        impl = paged_attention_decode_cpu if _cpu_kernel_fits(q, k_cache, v_cache) else paged_attention_decode_torch
     return impl(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=softmax_scale,
                 sliding_window=sliding_window, num_splits=num_splits, max_context_len=max_context_len,
                 max_score_estimate=max_score_estimate)

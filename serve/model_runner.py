@@ -10,6 +10,7 @@ import logging
 import torch
 
 from baton.common.model import CausalLM
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
 from baton.serve.quantization.kv_cache import pool_layout
@@ -56,6 +57,7 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         if self.device.type == "cpu":
             keep_freed_memory()
+            cpu_kernels()  # build/load the C++ decode kernel now, not on the first request
         self.block_size = block_size
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
         shape = (cfg.num_key_value_heads, width)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from baton.kernels import kv_cache, paged_attention as pa, reference as ref
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.kv_cache import reshape_and_cache
 from baton.kernels.paged_attention import paged_attention_decode, plan_splits
 
@@ -45,6 +46,46 @@ def test_decode_small_pages_scale_and_max_context_len(dtype):
         torch.testing.assert_close(got, want, **TOL[dtype])
     cpu = paged_attention_decode(*args, softmax_scale=0.3, max_context_len=40)
     torch.testing.assert_close(cpu, want, **TOL[dtype])
+
+
+def test_cpu_kernels_build_and_dispatch_uses_them():
+    """CI machines have a C++ compiler (DeepSpeed's CPU Adam needs one too): the build must work,
+    and the dispatcher must pick the C++ kernel for float32 CPU tensors, the torch path otherwise."""
+    assert cpu_kernels() is not None
+    args = _decode_case(torch.float32, [5, 40])
+    assert pa._cpu_kernel_fits(*args[:3])
+    assert not pa._cpu_kernel_fits(*(a.half() for a in args[:3]))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "torch"])
+@pytest.mark.parametrize("window", [None, 50, 1])
+@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 32, 16), ((8, 2), 64, 8), ((8, 1), 128, 16),
+                                                        ((6, 3), 48, 4)])
+def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
+    """The C++ kernel (fixed-size loops for head_dim 32/64/128, a generic one for 48) and the torch
+    bucketing path, on MHA/GQA/MQA with lengths from 0 to past 2 x 250, against the reference."""
+    lens = LENS + [600, 3, 251, 499]
+    q, k_cache, v_cache, tables, ctx = _decode_case(torch.float32, lens, heads, head_dim, block_size)
+    q = torch.randn(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)  # not contiguous
+    want = ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, ctx, sliding_window=window, softmax_scale=0.2)
+    fn = pa.paged_attention_decode_cpu if impl == "cpu" else pa.paged_attention_decode_torch
+    got = fn(q, k_cache, v_cache, tables, ctx, sliding_window=window, softmax_scale=0.2)
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert (got[0] == 0).all()  # the empty slot attends to nothing
+
+
+@pytest.mark.parametrize("lens", [[2000] + [7] * 9, [2000, 7]])  # whole sequences / kv heads as work items
+def test_decode_cpu_kernel_splits_work_across_threads(lens):
+    """One very long row among short ones, on 1 and 2 threads: same result as the reference."""
+    case = _decode_case(torch.float32, lens, heads=(8, 2))
+    want = ref.paged_attention_decode_ref(*case)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch.testing.assert_close(pa.paged_attention_decode_cpu(*case), want, **TOL[torch.float32])
+    finally:
+        torch.set_num_threads(threads)
 
 
 # Unified max: scores here are ~N(0, 1); 3.0 is a sensible estimate, -300 overflows 2^(s - phi)

@@ -1,0 +1,154 @@
+// Paged decode attention for CPU float32: reads K/V straight from the paged pools (no gather copy).
+//
+// A work item is a sequence (or, when there are fewer sequences than 4 per thread, one kv head of
+// it). Pass 1 walks the block table page by page and computes the scaled scores q.k of all the
+// item's query heads from each K row (a token's heads lie side by side in the pool, so each row
+// is read once, in one sweep); pass 2 takes each head's softmax; pass 3 accumulates p * v the same
+// way over the V rows. Items are split between threads by their token counts, so one long
+// sequence does not leave the other threads idle. Loops over head_dim have a fixed length for the
+// common head sizes (32/64/128) so the compiler vectorizes them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+struct Args {
+  const float* q; const float* k; const float* v; float* out;
+  const int32_t* tables; const int32_t* lens;
+  int64_t q_row, out_row, table_row, blk_stride, tok_stride, head_stride;
+  int64_t num_kv_heads, group, block_size, window;
+  float scale;
+};
+
+// One work item: sequence b, kv heads [h0, h1). Token rows are walked once per pass, all the item's
+// heads at a time, so a K/V row (all heads contiguous in the pool) is read in one sweep.
+template <int D>
+void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scores) {
+  const int64_t dl = D > 0 ? D : dim;
+  const int64_t G = a.group, nh = (h1 - h0) * G;  // query heads in this item
+  const int64_t len = a.lens[b];
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t n = len - start;
+  const float* q = a.q + b * a.q_row + h0 * G * dl;
+  float* out = a.out + b * a.out_row + h0 * G * dl;
+  if (n <= 0) {
+    std::fill(out, out + nh * dl, 0.f);
+    return;
+  }
+  if (static_cast<int64_t>(scores.size()) < nh * n) scores.resize(nh * n);
+  const int32_t* table = a.tables + b * a.table_row;
+  for (int64_t t = start; t < len;) {  // pass 1: scores, a page at a time
+    const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
+    const float* base = a.k + table[page] * a.blk_stride;
+    for (; t < end; ++t) {
+      const float* row = base + (t % a.block_size) * a.tok_stride;
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* kr = row + h * a.head_stride;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t j = (h - h0) * G + g;
+          const float* qg = q + j * dl;
+          float s = 0.f;
+          for (int64_t d = 0; d < dl; ++d) s += qg[d] * kr[d];
+          scores[j * n + (t - start)] = s * a.scale;
+        }
+      }
+    }
+  }
+  std::vector<float> inv(nh);
+  for (int64_t j = 0; j < nh; ++j) {  // pass 2: softmax numerators
+    float* s = scores.data() + j * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m);
+      sum += s[i];
+    }
+    inv[j] = 1.f / sum;
+  }
+  std::fill(out, out + nh * dl, 0.f);
+  for (int64_t t = start; t < len;) {  // pass 3: weighted values
+    const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
+    const float* base = a.v + table[page] * a.blk_stride;
+    for (; t < end; ++t) {
+      const float* row = base + (t % a.block_size) * a.tok_stride;
+      for (int64_t h = h0; h < h1; ++h) {
+        const float* vr = row + h * a.head_stride;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t j = (h - h0) * G + g;
+          const float p = scores[j * n + (t - start)];
+          float* o = out + j * dl;
+          for (int64_t d = 0; d < dl; ++d) o[d] += p * vr[d];
+        }
+      }
+    }
+  }
+  for (int64_t j = 0; j < nh; ++j)
+    for (int64_t d = 0; d < dl; ++d) out[j * dl + d] *= inv[j];
+}
+
+template <int D>
+void run(const Args& a, int64_t dim, int64_t batch) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  // Whole sequences per item when there are enough of them; else one kv head per item.
+  const int64_t split = batch >= 4 * threads ? 1 : a.num_kv_heads;
+  const int64_t items = batch * split, per = a.num_kv_heads / split;
+  std::vector<int64_t> cost(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) {
+    const int64_t len = a.lens[i / split];
+    const int64_t n = a.window > 0 ? std::min(len, a.window) : len;
+    cost[i + 1] = cost[i] + (std::max<int64_t>(n, 0) + 8) * per;
+  }
+  const int64_t parts = std::min(threads, items);
+  std::vector<int64_t> bounds(parts + 1, items);
+  bounds[0] = 0;
+  for (int64_t t = 1, i = 0; t < parts; ++t) {
+    const int64_t target = cost[items] * t / parts;
+    while (i < items && cost[i] < target) ++i;
+    bounds[t] = i;
+  }
+  at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores;
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
+        const int64_t b = i / split, h0 = (i % split) * per;
+        attend<D>(a, dim, b, h0, h0 + per, scores);
+      }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
+              v_cache.scalar_type() == torch::kFloat32, "paged_decode (CPU): float32 only");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+              "paged_decode (CPU): int32 block tables and context lengths");
+  TORCH_CHECK(q.is_contiguous() && block_tables.stride(-1) == 1 && context_lens.is_contiguous(), "contiguous inputs");
+  TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1, "K and V pools share one layout");
+  const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  auto out = torch::empty_like(q);
+  Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
+         block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+         q.stride(0), out.stride(0), block_tables.size(0) ? block_tables.stride(0) : 0,
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+         num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale)};
+  switch (dim) {
+    case 32: run<32>(a, dim, batch); break;
+    case 64: run<64>(a, dim, batch); break;
+    case 128: run<128>(a, dim, batch); break;
+    default: run<0>(a, dim, batch);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over float32 pools (CPU)");
+}

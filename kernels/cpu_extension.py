@@ -9,17 +9,39 @@ the build fails once, a warning says so, and the torch path is used; BATON_CPU_K
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 log = logging.getLogger(__name__)
 
+NAME = "baton_cpu_kernels"
 SOURCES = [Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"]
-# -march=native: the build is per machine (torch caches it under ~/.cache/torch_extensions);
+# -march=native: built for this CPU (the build folder is named after its flags, below);
 # -fopenmp: at::parallel_for splits the work between torch's threads only when OpenMP is on.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+STALE_LOCK_S = 600  # a build takes ~20 s; a lock this old was left by a process killed mid-build
+
+
+def build_directory() -> Path:
+    """One folder per Python, torch and CPU feature set, under torch's extensions root, so a home
+    directory shared between machines or venvs never loads a build made for another."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    cpu = hashlib.sha1(flags.encode()).hexdigest()[:8]
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cpu{cpu}"
+    return root / f"{NAME}-{tag}"
 
 
 @functools.cache
@@ -29,10 +51,18 @@ def cpu_kernels() -> ModuleType | None:
         return None
     from torch.utils.cpp_extension import load
 
-    log.info("loading Baton's C++ CPU kernels (the first time on a machine builds them: ~20 s)")
+    folder = build_directory()
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        log.warning("removing a stale build lock left by an interrupted build: %s", lock)
+        lock.unlink(missing_ok=True)
+    log.info("loading Baton's C++ CPU kernels from %s (the first time on a machine builds them: ~20 s)", folder)
     try:
-        return load("baton_cpu_kernels", [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+        return load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(folder))
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, say so once
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         log.warning("could not build Baton's C++ CPU kernels (%s: %s); using the slower torch paths",
-                    type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+                    type(e).__name__, last)
         return None

@@ -1,7 +1,8 @@
 """The paged attention backend the server passes to the shared model.
 
-One step packs every scheduled sequence into a single row of tokens: first the decodes (one new
-token each), then the prefill chunks. For each layer the backend scatters the new K/V into the
+One step packs every scheduled sequence into a single row of tokens: first the decode rows (one
+query each over the cache up to itself: single new tokens, and the rows of short chunks such as
+speculative chains), then the prefill chunks. For each layer the backend scatters the new K/V into the
 paged pools (slot mapping), then runs paged decode attention for the decodes and prefix-aware
 attention for the chunks, through baton.kernels' dispatch (Triton on CUDA, torch on CPU). Speculative token trees are
 verified last, each node attending to the cached prefix and its own ancestors (torch SDPA with
@@ -34,7 +35,7 @@ class TreeGroup:
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V goes in the pools
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    num_decodes: int  # the first num_decodes tokens are decode rows (one query over the cache each)
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     decode_context_lens: torch.Tensor  # [num_decodes] int32, including the new token
     prefill_cu_seqlens: torch.Tensor  # [num_prefills + 1] int32 offsets of the chunks after the decodes

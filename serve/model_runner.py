@@ -19,6 +19,8 @@ from baton.serve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+DECODE_ROWS = 8  # chunks up to this long run as decode rows (each re-reads the prefix: short only)
+
 
 @functools.cache
 def keep_freed_memory() -> bool:
@@ -99,12 +101,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ one step
     def prepare(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool, window_in_cache: bool):
-        """Pack decodes, then prefill chunks (and speculative chains), then speculative trees.
+        """Pack decode rows (single new tokens, and every row of a chunk of at most DECODE_ROWS
+        tokens: speculative chains, prompt tails), then longer prefill chunks, then speculative
+        trees. A chunk's K/V are written to the cache before attention, so its row i is exactly a
+        decode over the cache up to itself (context prefix + i + 1): the decode kernel serves it
+        without the prefill path's per-sequence prefix gather.
         Returns (ids, positions, metadata, [(seq, rows to sample)])."""
         bs = self.block_size
         trees = [x for x in scheduled if x[0].spec_parents is not None]
         chains = [x for x in scheduled if x[0].spec_parents is None]
-        order = [x for x in chains if x[1] == 1] + [x for x in chains if x[1] > 1] + trees
+        order = [x for x in chains if x[1] <= DECODE_ROWS] + [x for x in chains if x[1] > DECODE_ROWS] + trees
         ids, positions, slots, sample = [], [], [], []
         dec_tables, dec_lens, pre_tables, pre_prefix, cu, tree_md = [], [], [], [], [0], []
         for seq, n in order:
@@ -122,9 +128,9 @@ class ModelRunner:
                 positions += range(base, base + n)
             for c in range(first_cached, first_cached + n):
                 slots.append(seq.block_table[c // bs] * bs + c % bs)
-            if seq.spec_parents is None and n == 1:
-                dec_tables.append(seq.block_table)
-                dec_lens.append(first_cached + 1)
+            if seq.spec_parents is None and n <= DECODE_ROWS:
+                dec_tables += [seq.block_table] * n
+                dec_lens += range(first_cached + 1, first_cached + n + 1)
             elif seq.spec_parents is None:
                 pre_tables.append(seq.block_table)
                 pre_prefix.append(first_cached)

@@ -25,6 +25,17 @@ struct Args {
   float scale;
 };
 
+// Calls fn(i, row) for the visible tokens start + i < len of one sequence, row pointing at the
+// token's K or V (all kv heads side by side) in `pool`; the block table is read once per page.
+template <typename Fn>
+inline void for_each_row(const Args& a, const float* pool, const int32_t* table, int64_t start, int64_t len, Fn&& fn) {
+  for (int64_t t = start; t < len;) {
+    const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
+    const float* base = pool + table[page] * a.blk_stride;
+    for (; t < end; ++t) fn(t - start, base + (t % a.block_size) * a.tok_stride);
+  }
+}
+
 // One work item: sequence b, kv heads [h0, h1). Token rows are walked once per pass, all the item's
 // heads at a time, so a K/V row (all heads contiguous in the pool) is read in one sweep.
 template <int D>
@@ -42,23 +53,17 @@ void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::
   }
   if (static_cast<int64_t>(scores.size()) < nh * n) scores.resize(nh * n);
   const int32_t* table = a.tables + b * a.table_row;
-  for (int64_t t = start; t < len;) {  // pass 1: scores, a page at a time
-    const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
-    const float* base = a.k + table[page] * a.blk_stride;
-    for (; t < end; ++t) {
-      const float* row = base + (t % a.block_size) * a.tok_stride;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* kr = row + h * a.head_stride;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t j = (h - h0) * G + g;
-          const float* qg = q + j * dl;
-          float s = 0.f;
-          for (int64_t d = 0; d < dl; ++d) s += qg[d] * kr[d];
-          scores[j * n + (t - start)] = s * a.scale;
-        }
-      }
+  std::vector<int64_t> head(nh);  // offset of query head j's kv head within a token row
+  for (int64_t j = 0; j < nh; ++j) head[j] = (h0 + j / G) * a.head_stride;
+  for_each_row(a, a.k, table, start, len, [&](int64_t i, const float* row) {  // pass 1: scores
+    for (int64_t j = 0; j < nh; ++j) {
+      const float* kr = row + head[j];
+      const float* qj = q + j * dl;
+      float s = 0.f;
+      for (int64_t d = 0; d < dl; ++d) s += qj[d] * kr[d];
+      scores[j * n + i] = s * a.scale;
     }
-  }
+  });
   std::vector<float> inv(nh);
   for (int64_t j = 0; j < nh; ++j) {  // pass 2: softmax numerators
     float* s = scores.data() + j * n;
@@ -72,22 +77,14 @@ void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::
     inv[j] = 1.f / sum;
   }
   std::fill(out, out + nh * dl, 0.f);
-  for (int64_t t = start; t < len;) {  // pass 3: weighted values
-    const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
-    const float* base = a.v + table[page] * a.blk_stride;
-    for (; t < end; ++t) {
-      const float* row = base + (t % a.block_size) * a.tok_stride;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float* vr = row + h * a.head_stride;
-        for (int64_t g = 0; g < G; ++g) {
-          const int64_t j = (h - h0) * G + g;
-          const float p = scores[j * n + (t - start)];
-          float* o = out + j * dl;
-          for (int64_t d = 0; d < dl; ++d) o[d] += p * vr[d];
-        }
-      }
+  for_each_row(a, a.v, table, start, len, [&](int64_t i, const float* row) {  // pass 3: weighted values
+    for (int64_t j = 0; j < nh; ++j) {
+      const float* vr = row + head[j];
+      const float p = scores[j * n + i];
+      float* o = out + j * dl;
+      for (int64_t d = 0; d < dl; ++d) o[d] += p * vr[d];
     }
-  }
+  });
   for (int64_t j = 0; j < nh; ++j)
     for (int64_t d = 0; d < dl; ++d) out[j * dl + d] *= inv[j];
 }

@@ -279,15 +279,18 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
 
 def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
                                sliding_window=None, num_splits=None, max_context_len=None,
-                               max_score_estimate=None):
+                               max_score_estimate=None, tail_mask=None):
     """CPU path in C++ (csrc/paged_decode_cpu.cpp): reads K/V in place from the pools, no gather.
-    float32 only; splits and estimates change nothing."""
+    float32 only; splits and estimates change nothing. tail_mask [B, T] bool (CPU only, no window):
+    row b sees token t >= context_lens[b] - T only where tail_mask[b, t - context_lens[b] + T]."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    tail = tail_mask.to(torch.uint8).contiguous() if tail_mask is not None else None
     return cpu_kernels().paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32),
-                                      context_lens.to(torch.int32).contiguous(), scale, sliding_window or 0)
+                                      context_lens.to(torch.int32).contiguous(), scale, sliding_window or 0, tail)
 
 
-def _cpu_kernel_fits(q, k_cache, v_cache) -> bool:
+def cpu_kernel_fits(q, k_cache, v_cache) -> bool:
+    """True when the C++ CPU kernel can serve these tensors (float32 on CPU, and it could be built)."""
     return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
             and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cpu_kernels() is not None)
 
@@ -301,7 +304,7 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, s
     if use_triton(q, k_cache):
         impl = paged_attention_decode_triton
     else:
-        impl = paged_attention_decode_cpu if _cpu_kernel_fits(q, k_cache, v_cache) else paged_attention_decode_torch
+        impl = paged_attention_decode_cpu if cpu_kernel_fits(q, k_cache, v_cache) else paged_attention_decode_torch
     return impl(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=softmax_scale,
                 sliding_window=sliding_window, num_splits=num_splits, max_context_len=max_context_len,
                 max_score_estimate=max_score_estimate)

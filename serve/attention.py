@@ -5,18 +5,21 @@ query each over the cache up to itself: single new tokens, and the rows of short
 speculative chains), then the prefill chunks. For each layer the backend scatters the new K/V into the
 paged pools (slot mapping), then runs paged decode attention for the decodes and prefix-aware
 attention for the chunks, through baton.kernels' dispatch (Triton on CUDA, torch on CPU). Speculative token trees are
-verified last, each node attending to the cached prefix and its own ancestors (torch SDPA with
-a tree mask on every device: trees are small).
+verified last, each node attending to the cached prefix and its own ancestors: on CPU through the
+C++ decode kernel with a mask over the tree's slots, elsewhere (and with a sliding window) torch
+SDPA with a tree mask (trees are small).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from baton.common.model import Attention
 from baton.kernels import flash_attn_with_paged_prefix, paged_attention_decode, reshape_and_cache
+from baton.kernels.paged_attention import cpu_kernel_fits, paged_attention_decode_cpu
 from baton.serve.quantization.kv_cache import write_and_read
 
 
@@ -49,6 +52,24 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.prefill_prefix_lens.numel()
 
+    @functools.cached_property
+    def tree_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every tree node as a decode row over its sequence's cache (prefix + the whole tree, which
+        is written before attention), with a tail mask that shows it only its ancestors and itself:
+        (packed rows, block tables, context lengths, tail mask [nodes, largest tree]). Built once a step."""
+        dev = self.slot_mapping.device
+        width = max(len(t.block_table) for t in self.trees)
+        tail_len = max(t.size for t in self.trees)
+        rows, tables, lens, masks = [], [], [], []
+        for t in self.trees:
+            rows += range(t.row, t.row + t.size)
+            tables += [t.block_table + [0] * (width - len(t.block_table))] * t.size
+            lens += [t.prefix_len + t.size] * t.size
+            pad = torch.ones(t.size, tail_len - t.size, dtype=torch.bool)  # prefix tokens: visible
+            masks.append(torch.cat([pad, t.mask.cpu()], 1))
+        return (torch.tensor(rows, device=dev), torch.tensor(tables, dtype=torch.int32, device=dev),
+                torch.tensor(lens, dtype=torch.int32, device=dev), torch.cat(masks).to(dev))
+
 
 class PagedAttention:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_cache_dtype: str = "auto"):
@@ -68,9 +89,14 @@ class PagedAttention:
         window = layer.sliding_window if md.window_in_cache else None
         out = torch.empty_like(q)
         nd = md.num_decodes
-        for tree in md.trees:
-            r = slice(tree.row, tree.row + tree.size)
-            out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window)
+        if md.trees and window is None and cpu_kernel_fits(q, k_cache, v_cache):  # all trees in one call
+            rows, tables, lens, tail = md.tree_rows
+            out[rows] = paged_attention_decode_cpu(q[rows], k_cache, v_cache, tables, lens,
+                                                   softmax_scale=layer.scaling, tail_mask=tail)
+        else:
+            for tree in md.trees:
+                r = slice(tree.row, tree.row + tree.size)
+                out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window)
         if nd:
             out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
                                               softmax_scale=layer.scaling, sliding_window=window)

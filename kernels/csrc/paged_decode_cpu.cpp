@@ -6,16 +6,19 @@
 // is read once, in one sweep); pass 2 takes each head's softmax; pass 3 accumulates p * v the same
 // way over the V rows. Items are split between threads by their token counts, so one long
 // sequence does not leave the other threads idle. Loops over head_dim have a fixed length for the
-// common head sizes (32/64/128) so the compiler vectorizes them.
+// common head sizes (32/64/128) so the compiler vectorizes them. An optional tail mask hides some
+// of a row's last tokens: a speculative tree's node sees its cached prefix and its ancestors only.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
+
+constexpr float kHidden = -1e30f;  // a hidden token's score: exp(kHidden - max) is exactly 0
 
 struct Args {
   const float* q; const float* k; const float* v; float* out;
@@ -23,6 +26,8 @@ struct Args {
   int64_t q_row, out_row, table_row, blk_stride, tok_stride, head_stride;
   int64_t num_kv_heads, group, block_size, window;
   float scale;
+  const uint8_t* tail;  // optional [batch, tail_len]: which of a row's last tail_len tokens it sees
+  int64_t tail_len, tail_row;
 };
 
 // Calls fn(i, row) for the visible tokens start + i < len of one sequence, row pointing at the
@@ -64,11 +69,17 @@ void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::
       scores[j * n + i] = s * a.scale;
     }
   });
+  if (a.tail != nullptr) {  // a speculative tree's row: hide the tree slots that are not its ancestors
+    const uint8_t* keep = a.tail + b * a.tail_row;
+    for (int64_t t = std::max(start, len - a.tail_len); t < len; ++t)
+      if (!keep[t - (len - a.tail_len)])
+        for (int64_t j = 0; j < nh; ++j) scores[j * n + (t - start)] = kHidden;
+  }
   std::vector<float> inv(nh);
   for (int64_t j = 0; j < nh; ++j) {  // pass 2: softmax numerators
     float* s = scores.data() + j * n;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float m = s[0];  // no infinities: -ffast-math assumes there are none
+    for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
       s[i] = std::exp(s[i] - m);
@@ -122,7 +133,8 @@ void run(const Args& a, int64_t dim, int64_t batch) {
 }  // namespace
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t window) {
+                           torch::Tensor context_lens, double scale, int64_t window,
+                           std::optional<torch::Tensor> tail_mask) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
               v_cache.scalar_type() == torch::kFloat32, "paged_decode (CPU): float32 only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
@@ -131,12 +143,19 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   TORCH_CHECK(k_cache.strides() == v_cache.strides() && k_cache.stride(3) == 1, "K and V pools share one layout");
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(2);
+  if (tail_mask) {
+    TORCH_CHECK(tail_mask->scalar_type() == torch::kUInt8 && tail_mask->dim() == 2 && tail_mask->size(0) == batch &&
+                tail_mask->stride(1) == 1, "tail_mask: uint8 [batch, tail_len], rows contiguous");
+    TORCH_CHECK(window <= 0, "tail_mask and a sliding window together are not supported");
+  }
   auto out = torch::empty_like(q);
   Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
          block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
          q.stride(0), out.stride(0), block_tables.size(0) ? block_tables.stride(0) : 0,
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-         num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale)};
+         num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale),
+         tail_mask ? tail_mask->data_ptr<uint8_t>() : nullptr, tail_mask ? tail_mask->size(1) : 0,
+         tail_mask ? tail_mask->stride(0) : 0};
   switch (dim) {
     case 32: run<32>(a, dim, batch); break;
     case 64: run<64>(a, dim, batch); break;
@@ -147,5 +166,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over float32 pools (CPU)");
+  m.def("paged_decode", &paged_decode, "paged decode attention over float32 pools (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window"), py::arg("tail_mask") = py::none());
 }

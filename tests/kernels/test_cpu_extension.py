@@ -16,7 +16,7 @@ def test_failed_build_falls_back_to_torch_path_with_a_warning(tmp_path):
         assert cpu_kernels() is None
         q, k, v = torch.randn(2, 4, 32), torch.randn(6, 16, 2, 32), torch.randn(6, 16, 2, 32)
         tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
-        assert not pa._cpu_kernel_fits(q, k, v)
+        assert not pa.cpu_kernel_fits(q, k, v)
         torch.testing.assert_close(pa.paged_attention_decode(q, k, v, tables, lens),
                                    ref.paged_attention_decode_ref(q, k, v, tables, lens))
         print("fell back")

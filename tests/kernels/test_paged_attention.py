@@ -53,8 +53,8 @@ def test_cpu_kernels_build_and_dispatch_uses_them():
     and the dispatcher must pick the C++ kernel for float32 CPU tensors, the torch path otherwise."""
     assert cpu_kernels() is not None
     args = _decode_case(torch.float32, [5, 40])
-    assert pa._cpu_kernel_fits(*args[:3])
-    assert not pa._cpu_kernel_fits(*(a.half() for a in args[:3]))
+    assert pa.cpu_kernel_fits(*args[:3])
+    assert not pa.cpu_kernel_fits(*(a.half() for a in args[:3]))
 
 
 @pytest.mark.parametrize("impl", ["cpu", "torch"])
@@ -72,6 +72,26 @@ def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
     got = fn(q, k_cache, v_cache, tables, ctx, sliding_window=window, softmax_scale=0.2)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     assert (got[0] == 0).all()  # the empty slot attends to nothing
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_decode_cpu_tail_mask(heads):
+    """Rows that see only some of their last T tokens (a speculative tree's nodes: the cached prefix
+    and their ancestors), incl. rows shorter than T, against the reference's masked attention."""
+    lens, tail_len = [5, 40, 17, 3, 64, 6], 6
+    q, k_cache, v_cache, tables, ctx = _decode_case(torch.float32, lens, heads)
+    tail = torch.rand(len(lens), tail_len, generator=torch.Generator().manual_seed(1)) < 0.5
+    tail[:, -1] = True  # a node always sees itself
+    got = pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, softmax_scale=0.3, tail_mask=tail)
+    for b, n in enumerate(lens):
+        keep = torch.ones(1, n, dtype=torch.bool)
+        seen = min(tail_len, n)
+        keep[0, n - seen:] = tail[b, tail_len - seen:]
+        keys, vals = ref.gather_paged(k_cache, tables[b], n), ref.gather_paged(v_cache, tables[b], n)
+        want = ref._attend(q[b:b + 1], keys, vals, keep, 0.3)[0]
+        torch.testing.assert_close(got[b], want, **TOL[torch.float32])
+    with pytest.raises(RuntimeError, match="sliding window"):
+        pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, sliding_window=8, tail_mask=tail)
 
 
 @pytest.mark.parametrize("lens", [[2000] + [7] * 9, [2000, 7]])  # whole sequences / kv heads as work items

@@ -2,12 +2,13 @@
 
 One step packs every scheduled sequence into a single row of tokens: first the decode rows (one
 query each over the cache up to itself: single new tokens, and the rows of short chunks such as
-speculative chains), then the prefill chunks. For each layer the backend scatters the new K/V into the
-paged pools (slot mapping), then runs paged decode attention for the decodes and prefix-aware
-attention for the chunks, through baton.kernels' dispatch (Triton on CUDA, torch on CPU). Speculative token trees are
-verified last, each node attending to the cached prefix and its own ancestors: on CPU through the
-C++ decode kernel with a mask over the tree's slots, elsewhere (and with a sliding window) torch
-SDPA with a tree mask (trees are small).
+speculative chains), then the prefill chunks. For each layer the backend scatters the new K/V
+into the paged pools (slot mapping), then runs paged decode attention for the decode rows and
+prefix-aware attention for the chunks, through baton.kernels' dispatch (Triton on CUDA; on CPU
+the C++ decode kernel and torch). Speculative token trees are verified last, each node attending
+to the cached prefix and its own ancestors: on CPU through the C++ decode kernel with a mask over
+the tree's slots, elsewhere (and with a sliding window) torch SDPA with a tree mask (trees are
+small).
 """
 
 from __future__ import annotations

@@ -148,9 +148,24 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                 tail_mask->stride(1) == 1, "tail_mask: uint8 [batch, tail_len], rows contiguous");
     TORCH_CHECK(window <= 0, "tail_mask and a sliding window together are not supported");
   }
+  // A bad block table must fail loudly, not read outside the pools.
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t page = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(block_tables.size(0) == batch && context_lens.numel() == batch, "one block table and length per row");
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pages = (static_cast<int64_t>(lens[b]) + page - 1) / page;
+    TORCH_CHECK(lens[b] >= 0 && pages <= block_tables.size(1), "row ", b, ": context length ", lens[b],
+                " needs ", pages, " blocks, its block table has ", block_tables.size(1));
+    for (int64_t i = 0; i < pages; ++i) {
+      const int32_t id = tables[b * block_tables.stride(0) + i];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "row ", b, ": block table entry ", i, " is ", id,
+                  ", outside the pool of ", num_blocks, " blocks");
+    }
+  }
   auto out = torch::empty_like(q);
   Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-         block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(),
+         tables, lens,
          q.stride(0), out.stride(0), block_tables.size(0) ? block_tables.stride(0) : 0,
          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
          num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale),

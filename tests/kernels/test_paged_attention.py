@@ -94,6 +94,24 @@ def test_decode_cpu_tail_mask(heads):
         pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, sliding_window=8, tail_mask=tail)
 
 
+def test_decode_cpu_kernel_refuses_bad_block_tables():
+    """An entry outside the pool or a table too short for its length is an error, not a wild read."""
+    q, k_cache, v_cache, tables, lens = _decode_case(torch.float32, [20, 40])
+    bad = tables.clone()
+    bad[1, 2] = k_cache.shape[0]  # the 3rd of the 3 blocks 40 tokens need
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        pa.paged_attention_decode_cpu(q, k_cache, v_cache, bad, lens)
+    bad[1, 2] = -1
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        pa.paged_attention_decode_cpu(q, k_cache, v_cache, bad, lens)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables[:, :2], lens)
+    bad[1, 2] = 0
+    bad[0, 2:] = -1  # entries past a row's length are never read: padding may hold anything
+    ok = pa.paged_attention_decode_cpu(q, k_cache, v_cache, bad, lens)
+    torch.testing.assert_close(ok[0], ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens)[0])
+
+
 @pytest.mark.parametrize("lens", [[2000] + [7] * 9, [2000, 7]])  # whole sequences / kv heads as work items
 def test_decode_cpu_kernel_splits_work_across_threads(lens):
     """One very long row among short ones, on 1 and 2 threads: same result as the reference."""

@@ -205,6 +205,29 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run benchmarks/NAME.py from the source checkout with the arguments that follow (they write
+    their table, JSON and plot under benchmarks/results/); without NAME, list them."""
+    import ast
+    import subprocess
+
+    scripts = {p.stem: p for p in sorted(BENCHMARKS.glob("*.py"))} if BENCHMARKS.is_dir() else {}
+    if not scripts:
+        raise ValueError(f"no benchmarks next to this install ({BENCHMARKS}): `baton bench` runs from a source "
+                         "checkout installed with `pip install -e .`")
+    if args.name is None:
+        for name, path in scripts.items():
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            print(f"{name:20} {doc.splitlines()[0] if doc else ''}")
+        return 0
+    if args.name not in scripts:
+        raise ValueError(f"unknown benchmark {args.name!r}; one of: {', '.join(scripts)}")
+    return subprocess.call([sys.executable, str(scripts[args.name]), *args.args])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Train transformer LMs and serve them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -342,6 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="which calibration blocks are drawn")
     corpus_args(p)
     p.set_defaults(func=_prune)
+
+    p = sub.add_parser("bench", help="run one of the repository's benchmarks (benchmarks/NAME.py); no NAME lists them")
+    p.add_argument("name", nargs="?", help="e.g. serve_engine, paged_decode_cpu, speculative")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to the benchmark, e.g. --quick")
+    p.set_defaults(func=_bench)
 
     p = sub.add_parser("eval", help="perplexity on held-out text, and agreement with a reference model")
     p.add_argument("model", help="checkpoint directory (float or quantized)")

@@ -57,3 +57,14 @@ def test_errors_are_one_clear_line(tmp_path):
     proc = baton("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", "--speculative", "ngram",
                  "--speculative-disable-above-batch", "0", check=False)
     assert proc.returncode == 2 and "disable_above_batch must be >= 1" in proc.stderr and "listening" not in proc.stderr
+
+
+def test_bench_lists_runs_and_refuses_unknown_benchmarks():
+    listing = baton("bench").stdout
+    scripts = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "benchmarks").glob("*.py"))
+    assert [line.split()[0] for line in listing.splitlines()] == scripts
+    assert "paged_decode_cpu" in scripts and "serve_engine" in scripts
+    usage = baton("bench", "serve_engine", "--help").stdout  # the script's own argparse: arguments pass through
+    assert "serve_engine.py" in usage and "--quick" in usage
+    proc = baton("bench", "no_such_bench", check=False)
+    assert proc.returncode == 2 and "unknown benchmark 'no_such_bench'" in proc.stderr and "Traceback" not in proc.stderr

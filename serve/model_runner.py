@@ -59,7 +59,8 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         if self.device.type == "cpu":
             keep_freed_memory()
-            cpu_kernels()  # build/load the C++ decode kernel now, not on the first request
+            if self.dtype == torch.float32:  # the C++ decode kernel's only dtype: build/load it now, not on a request
+                cpu_kernels()
         self.block_size = block_size
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
         shape = (cfg.num_key_value_heads, width)

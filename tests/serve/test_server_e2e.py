@@ -118,11 +118,14 @@ def scrape(server: ServerProcess) -> dict[tuple[str, str], float]:
 def test_load_with_cancellations(server, reference):
     n, rng = 120, random.Random(5)
     cancel_after = {i: rng.randint(1, 3) for i in rng.sample(range(n), n // 3)}  # tokens to read, then leave
+    # A stream the client leaves asks for far more tokens than it reads, so the server is still decoding
+    # it when the cancellation arrives even if the client's event loop lags behind a fast engine.
     before = scrape(server)
 
     async def one(client: AsyncBatonClient, i: int):
         prompt, ids, finished = PROMPTS[i % len(PROMPTS)], [], False
-        async with aclosing(client.generate(prompt, max_tokens=MAX_TOKENS, temperature=0)) as stream:
+        max_tokens = 200 if i in cancel_after else MAX_TOKENS
+        async with aclosing(client.generate(prompt, max_tokens=max_tokens, temperature=0)) as stream:
             async for msg in stream:
                 ids += msg.completions[0].token_ids
                 finished = msg.finished
@@ -147,7 +150,7 @@ def test_load_with_cancellations(server, reference):
     for prompt, ids, _ in done:
         assert ids == reference[prompt][0], prompt
     for prompt, ids, _ in left:
-        assert ids == reference[prompt][0][:len(ids)], prompt
+        assert ids and ids[:MAX_TOKENS] == reference[prompt][0][:len(ids)], prompt  # greedy: same prefix
     with BatonClient(server.target, timeout=30) as c:
         deadline = time.monotonic() + 10
         while (info := c.server_info()).engine_requests and time.monotonic() < deadline:
@@ -169,4 +172,4 @@ def test_load_with_cancellations(server, reference):
         time.sleep(0.05)
     assert got["cancelled"] + got["ok"] == n + 1, got
     assert 1 <= got["cancelled"] <= len(left) and got["ok"] >= len(done) + 1, (got, len(done), len(left))
-    print(f"load: {n} streams in {elapsed:.1f} s, {len(left)} cancelled midway")
+    print(f"load: {n} streams in {elapsed:.1f} s, {len(left)} left midway, {got['cancelled']:.0f} counted cancelled")

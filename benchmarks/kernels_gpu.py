@@ -8,16 +8,20 @@ Timings are medians of CUDA-event-timed runs after warm-up. Each row reports ach
 start-up: a large bf16 cuBLAS matmul and a large device-to-device copy. Baselines: torch SDPA for
 attention, cuBLAS (F.linear on the dequantised weight) / torch._int_mm for the quantised matmuls.
 The decode section compares FlashDecoding split-K with and without FlashDecoding++'s unified max.
-Exit status 1 if any check fails.
+Writes OUT/kernels_gpu.{json,png} (OUT: --out, by default benchmarks/results; a temporary folder in
+smoke mode, whose timings mean nothing). Exit status 1 if any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # must precede the kernels' import: @triton.jit reads it when decorating
@@ -36,6 +40,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 DEV = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
 TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}  # max |err| / max |ref|
 FAILURES: list[str] = []
+SECTION = ""  # the section being run, recorded with each timing
+CHECKS: list[dict] = []  # every check, for the JSON
+ROWS: list[dict] = []  # every timing, for the JSON and the plot
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def size(gpu, smoke):
@@ -68,6 +76,7 @@ def check(name: str, got, want, tol: float | None = None) -> None:
         ok = err <= (tol if tol is not None else TOL[w.dtype])
         if not ok:
             FAILURES.append(f"{name}: relative error {err:.2e}")
+        CHECKS.append({"name": name, "rel_err": err, "tol": tol if tol is not None else TOL[w.dtype], "ok": ok})
         print(f"  check {name:<52} rel err {err:9.2e}  {'ok' if ok else 'FAIL'}")
 
 
@@ -85,12 +94,16 @@ class Ceilings:
 
 
 def report(name: str, ms: float, *, flops=None, nbytes=None, base_ms=None, base_name="", ceil: Ceilings):
+    row = {"section": SECTION, "name": name, "ms": ms, "baseline": base_name or None, "baseline_ms": base_ms}
     if flops is not None:
-        perf = f"{flops / ms / 1e9:8.1f} TFLOP/s ({100 * flops / ms / 1e9 / ceil.tflops:4.0f}% mm)"
+        row.update(tflops=flops / ms / 1e9, pct_of_ceiling=100 * flops / ms / 1e9 / ceil.tflops, ceiling="matmul")
+        perf = f"{row['tflops']:8.1f} TFLOP/s ({row['pct_of_ceiling']:4.0f}% mm)"
     else:
-        perf = f"{nbytes / ms / 1e6:8.0f} GB/s    ({100 * nbytes / ms / 1e6 / ceil.gbps:4.0f}% copy)"
+        row.update(gbps=nbytes / ms / 1e6, pct_of_ceiling=100 * nbytes / ms / 1e6 / ceil.gbps, ceiling="copy")
+        perf = f"{row['gbps']:8.0f} GB/s    ({row['pct_of_ceiling']:4.0f}% copy)"
     base = f"  | {base_name} {base_ms:.3f} ms ({base_ms / ms:.2f}x)" if base_ms is not None else ""
     print(f"  {name:<44} {ms:9.3f} ms  {perf}{base}")
+    ROWS.append(row)
 
 
 def visible_pairs(q_len: int, k_len: int, causal: bool, window: int | None) -> int:
@@ -298,6 +311,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
     parser.add_argument("--only", nargs="*", default=["attention", "paged", "elementwise", "quant"])
+    parser.add_argument("--out", type=Path, default=None, help="folder for kernels_gpu.{json,png}")
     args = parser.parse_args()
     if DEV.type != "cuda" and not args.smoke:
         print("no CUDA device: run with --smoke to exercise the script under the interpreter")
@@ -309,10 +323,41 @@ def main() -> int:
     ceil = Ceilings()
     sections = {"attention": bench_attention, "paged": bench_paged, "elementwise": bench_elementwise,
                 "quant": bench_quant}
-    for name in args.only:
-        sections[name](ceil, dtype, check_dtypes)
+    global SECTION
+    for SECTION in args.only:
+        sections[SECTION](ceil, dtype, check_dtypes)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="baton-kernels-smoke-")) if args.smoke else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU, Triton interpreter (smoke)"
+    (out / "kernels_gpu.json").write_text(json.dumps({
+        "device": device, "timing_dtype": str(dtype), "ceilings": {"matmul_tflops": ceil.tflops, "copy_gbps": ceil.gbps},
+        "checks": CHECKS, "timings": ROWS}, indent=2) + "\n")
+    plot(ROWS, device, out / "kernels_gpu.png")
+    print(f"wrote {out / 'kernels_gpu.json'} and {out / 'kernels_gpu.png'}")
     print(f"\n{len(FAILURES)} check(s) failed" + "".join(f"\n  {f}" for f in FAILURES))
     return 1 if FAILURES else 0
+
+
+def plot(rows: list[dict], device: str, path: Path) -> None:
+    """Share of the measured ceiling per kernel (left) and speed-up over its baseline (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = dict(zip(["attention", "paged", "elementwise", "quant"], ["C0", "C1", "C2", "C3"]))
+    names = [r["name"] for r in rows][::-1]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 1.5), sharey=True)
+    a.barh(names, [r["pct_of_ceiling"] for r in rows][::-1], color=[colours[r["section"]] for r in rows][::-1])
+    a.set_xlabel("% of measured ceiling (matmul TFLOP/s or copy GB/s)")
+    b.barh(names, [r["baseline_ms"] / r["ms"] if r["baseline_ms"] else 0 for r in rows][::-1],
+           color=[colours[r["section"]] for r in rows][::-1])
+    b.axvline(1.0, color="k", lw=0.8)
+    b.set_xlabel("speed-up over baseline (x; 0 = no baseline)")
+    a.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"baton.kernels Triton kernels on {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

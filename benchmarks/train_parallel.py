@@ -19,7 +19,7 @@ SP divides those too; selective removes the 5as/h attention term).
 
     .venv/bin/python benchmarks/train_parallel.py [--steps 4] [--worlds 1 2 4]
 
-Writes benchmarks/results/train_parallel.json and prints markdown tables.
+Writes benchmarks/results/train_parallel.{json,png} and prints markdown tables.
 """
 
 from __future__ import annotations
@@ -218,6 +218,7 @@ def main() -> None:
               "throughput": table, "activation_study": {"s": ACT_S, "b": ACT_B, "h": ACT_H, "a": ACT_A, "modes": acts}}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_parallel.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, RESULTS / "train_parallel.png")
     print("| world | layout | tokens/s | step s | model state MB per rank | RSS MB per rank |\n|---|---|---|---|---|---|")
     for r in table:
         print(f"| {r['world']} | {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
@@ -228,6 +229,37 @@ def main() -> None:
         m = a["measured_per_rank"][0]
         print(f"| {name} (t={a['t']}) | {m:,.0f} | {a['megatron_formula']:,.0f} | {a['baton_formula']:,.0f} | "
               f"{m / a['baton_formula']:.2f} |")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Tokens/s and model state per rank for each layout (left), activation bytes per layer (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["throughput"][::-1]
+    names = [f"{r['world']}: {r['layout']}" for r in rows]
+    fig, (a, m, b) = plt.subplots(1, 3, figsize=(16, 0.3 * len(rows) + 2), gridspec_kw={"width_ratios": [2, 1, 2]})
+    colours = [f"C{r['world']}" for r in rows]
+    a.barh(names, [r["tokens_per_s"] for r in rows], color=colours)
+    a.set_xlabel("tokens/s (2 CPU cores, gloo)")
+    a.tick_params(axis="y", labelsize=7)
+    m.barh(names, [max(r["model_state_mb"]) for r in rows], color=colours)
+    m.set_yticks([])
+    m.set_xlabel("model state MB, largest rank")
+    modes = result["activation_study"]["modes"]
+    x = range(len(modes))
+    b.bar([i - 0.3 for i in x], [v["measured_per_rank"][0] / 2**20 for v in modes.values()], 0.3, label="measured")
+    b.bar(x, [v["baton_formula"] / 2**20 for v in modes.values()], 0.3, label="Baton formula (fp32)")
+    b.bar([i + 0.3 for i in x], [v["megatron_formula"] / 2**20 for v in modes.values()], 0.3,
+          label="Megatron formula (fp16)")
+    b.set_xticks(list(x), [f"{k} (t={v['t']})" for k, v in modes.items()], fontsize=8)
+    b.set_ylabel("activation MiB per layer, rank 0")
+    b.legend(fontsize=8)
+    fig.suptitle("3D-parallel training layouts on CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ def test_metrics_add_up(server, client):
 def test_draining_refuses_new_calls(llama_dir):
     s = ServerThread(llama_dir, num_kv_blocks=32, drain_timeout_s=20)
     with BatonClient(s.target, timeout=30) as c:
-        stream = c.generate("The quick brown fox", max_tokens=120, temperature=0, ignore_eos=True)
+        stream = c.generate("The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True)
         got = list(next(stream).completions[0].token_ids)
         stopping = threading.Thread(target=s.stop)
         stopping.start()
@@ -160,7 +160,7 @@ def test_draining_refuses_new_calls(llama_dir):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
         got += [t for m in stream for t in m.completions[0].token_ids]  # the in-flight stream finishes
         stopping.join(30)
-    assert len(got) == 120
+    assert len(got) == 240
 
 
 def test_engine_failure_fails_health(llama_dir):

@@ -2,6 +2,7 @@
 
     python benchmarks/kernels_gpu.py            # on a GPU: checks (fp16 + bf16), then timings (bf16)
     python benchmarks/kernels_gpu.py --smoke    # no GPU: tiny shapes under the Triton interpreter
+    python benchmarks/kernels_gpu.py --out $OUT # through the device tool: results come back from $OUT
 
 Timings are medians of CUDA-event-timed runs after warm-up. Each row reports achieved TFLOP/s
 (compute-bound kernels) or GB/s (bandwidth-bound ones) and its share of the ceilings measured at
@@ -15,8 +16,8 @@ smoke mode, whose timings mean nothing). Exit status 1 if any check fails.
 from __future__ import annotations
 
 import argparse
-import os
 import json
+import os
 import statistics
 import sys
 import tempfile

@@ -2,7 +2,11 @@
 
     python benchmarks/kernels_gpu.py            # on a GPU: checks (fp16 + bf16), then timings (bf16)
     python benchmarks/kernels_gpu.py --smoke    # no GPU: tiny shapes under the Triton interpreter
-    python benchmarks/kernels_gpu.py --out $OUT # through the device tool: results come back from $OUT
+
+Through the device tool (its image has torch and triton but not Baton; nothing to fetch there), one call:
+
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . && \
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/kernels_gpu.py --out $OUT 2>&1 | tee $OUT/log.txt
 
 Timings are medians of CUDA-event-timed runs after warm-up. Each row reports achieved TFLOP/s
 (compute-bound kernels) or GB/s (bandwidth-bound ones) and its share of the ceilings measured at

@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -328,15 +329,21 @@ def main() -> int:
     ceil = Ceilings()
     sections = {"attention": bench_attention, "paged": bench_paged, "elementwise": bench_elementwise,
                 "quant": bench_quant}
-    global SECTION
-    for SECTION in args.only:
-        sections[SECTION](ceil, dtype, check_dtypes)
     out = args.out or (Path(tempfile.mkdtemp(prefix="baton-kernels-smoke-")) if args.smoke else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU, Triton interpreter (smoke)"
-    (out / "kernels_gpu.json").write_text(json.dumps({
-        "device": device, "timing_dtype": str(dtype), "ceilings": {"matmul_tflops": ceil.tflops, "copy_gbps": ceil.gbps},
-        "checks": CHECKS, "timings": ROWS}, indent=2) + "\n")
+    global SECTION
+    for SECTION in args.only:
+        try:
+            sections[SECTION](ceil, dtype, check_dtypes)
+        except Exception as e:  # a broken section must not cost the others' results (device time is scarce)
+            traceback.print_exc()
+            FAILURES.append(f"section {SECTION} stopped: {type(e).__name__}: {e}")
+        # rewritten after every section, so a run stopped at its time limit still leaves what it measured
+        (out / "kernels_gpu.json").write_text(json.dumps({
+            "device": device, "timing_dtype": str(dtype), "ceilings": {"matmul_tflops": ceil.tflops,
+                                                                        "copy_gbps": ceil.gbps},
+            "checks": CHECKS, "timings": ROWS, "failures": FAILURES}, indent=2) + "\n")
     plot(ROWS, device, out / "kernels_gpu.png")
     print(f"wrote {out / 'kernels_gpu.json'} and {out / 'kernels_gpu.png'}")
     print(f"\n{len(FAILURES)} check(s) failed" + "".join(f"\n  {f}" for f in FAILURES))

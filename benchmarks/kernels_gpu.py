@@ -313,10 +313,13 @@ def bench_quant(ceil: Ceilings, dtype, check_dtypes):
             report(f"quantize_per_token {m}x{k}", ms, nbytes=3 * x.numel(), ceil=ceil)
 
 
+SECTIONS = {"attention": bench_attention, "paged": bench_paged, "elementwise": bench_elementwise, "quant": bench_quant}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under the Triton interpreter")
-    parser.add_argument("--only", nargs="*", default=["attention", "paged", "elementwise", "quant"])
+    parser.add_argument("--only", nargs="*", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--out", type=Path, default=None, help="folder for kernels_gpu.{json,png}")
     args = parser.parse_args()
     if DEV.type != "cuda" and not args.smoke:
@@ -327,15 +330,13 @@ def main() -> int:
     dtype = torch.float16 if args.smoke else torch.bfloat16
     check_dtypes = [torch.float16] if args.smoke else [torch.float16, torch.bfloat16]
     ceil = Ceilings()
-    sections = {"attention": bench_attention, "paged": bench_paged, "elementwise": bench_elementwise,
-                "quant": bench_quant}
     out = args.out or (Path(tempfile.mkdtemp(prefix="baton-kernels-smoke-")) if args.smoke else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if DEV.type == "cuda" else "CPU, Triton interpreter (smoke)"
     global SECTION
     for SECTION in args.only:
         try:
-            sections[SECTION](ceil, dtype, check_dtypes)
+            SECTIONS[SECTION](ceil, dtype, check_dtypes)
         except Exception as e:  # a broken section must not cost the others' results (device time is scarce)
             traceback.print_exc()
             FAILURES.append(f"section {SECTION} stopped: {type(e).__name__}: {e}")
@@ -346,7 +347,7 @@ def main() -> int:
             "checks": CHECKS, "timings": ROWS, "failures": FAILURES}, indent=2) + "\n")
     plot(ROWS, device, out / "kernels_gpu.png")
     print(f"wrote {out / 'kernels_gpu.json'} and {out / 'kernels_gpu.png'}")
-    print(f"\n{len(FAILURES)} check(s) failed" + "".join(f"\n  {f}" for f in FAILURES))
+    print(f"\n{len(FAILURES)} failure(s)" + "".join(f"\n  {f}" for f in FAILURES))
     return 1 if FAILURES else 0
 
 

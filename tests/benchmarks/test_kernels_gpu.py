@@ -22,7 +22,7 @@ def test_smoke_checks_every_kernel_against_its_reference(tmp_path):
     assert checks and all(status == "ok" for *_, status in checks), checks
     names = " ".join(name for name, *_ in checks)
     assert [k for k in KERNELS if k not in names] == [], names
-    assert "0 check(s) failed" in out.stdout
+    assert "0 failure(s)" in out.stdout
 
     # the results a GPU run records: every printed check and a timing row per section
     result = json.loads((tmp_path / "kernels_gpu.json").read_text())

@@ -54,7 +54,7 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                                           "num_attention_heads": 4, "num_key_value_heads": 2,
                                           "max_position_embeddings": 512}}))
     if not (target / "handoff" / "medusa_config.json").is_file():
-        from baton.train.data import DataConfig
+        from baton.common.data import DataConfig
 
         # self-distillation: the heads learn the target's own greedy continuations (Medusa, section 3.2)
         train_medusa(MedusaTrainConfig(base=str(target / "handoff"), data=DataConfig(path=corpus, seq_len=128),

@@ -25,7 +25,7 @@ from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer
 from baton.train.backends import lm_loss, param_groups
 from baton.train.config import load_config
-from baton.train.data import build_datasets
+from baton.common.data import build_datasets
 from baton.train.sampler import GlobalBatches
 from baton.train.trainer import train
 

@@ -9,20 +9,22 @@ token argmax on the same windows, and the matched fraction of free-running greed
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from baton.common.checkpoint import CheckpointError
+from baton.common.data import DataConfig, build_datasets
 from baton.common.model import CausalLM, greedy_generate
 from baton.common.tokenizer import Tokenizer
-from baton.serve.quantization.calibration import CorpusConfig
+from baton.serve.quantization.calibration import demo_corpus
 
 
 @dataclass
-class EvalConfig(CorpusConfig):
+class EvalConfig:
+    data: DataConfig = field(default_factory=demo_corpus)  # scored on its validation split
     window: int = 128  # tokens per forward
     stride: int = 64  # new tokens scored per window (< window: each window's first token is context)
     max_tokens: int | None = None  # cap the held-out stream (None = all of it)
@@ -58,9 +60,9 @@ class EvalResult:
 
 def heldout_tokens(cfg: EvalConfig, tokenizer: Tokenizer) -> torch.Tensor:
     """The validation blocks, in corpus order, as one 1-D stream."""
-    _, val = cfg.splits(tokenizer)
+    _, val = build_datasets(cfg.data, tokenizer)
     if len(val) == 0:
-        raise ValueError(f"{cfg.data or 'the default corpus'} has no validation blocks; raise val_fraction")
+        raise ValueError(f"{cfg.data.path or 'the default corpus'} has no validation blocks; raise val_fraction")
     stream = val.with_format("torch")[:]["input_ids"].long().reshape(-1)
     return stream[:cfg.max_tokens] if cfg.max_tokens else stream
 
@@ -133,9 +135,7 @@ def evaluate(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference: 
 def evaluate_checkpoint(path: str | Path, cfg: EvalConfig, reference: str | Path | None = None) -> EvalResult:
     """`baton eval`: load (float or quantized) checkpoints, evaluate on the held-out text."""
     from baton.serve.quantization.loader import load_model
-    from baton.train.data import DataConfig
 
-    DataConfig(path=cfg.data, seq_len=cfg.seq_len)  # validates the data path before loading anything
     for p in (path, reference):
         if p is not None and not (Path(p) / "config.json").is_file():
             raise CheckpointError(f"{p} is not a checkpoint directory (no config.json)")

@@ -46,7 +46,7 @@ def write_distillation_corpus(model_dir: str | Path, out: str | Path, data_path:
     """Write `samples` continuations by the model at model_dir as JSONL ({"text": ...} per line),
     prompted from data_path (None: the embedded default corpus). The file appears whole or not at all."""
     from baton.common.tokenizer import Tokenizer
-    from baton.train.data import DataConfig, build_datasets
+    from baton.common.data import DataConfig, build_datasets
 
     if not (Path(model_dir) / "tokenizer.json").is_file():
         raise ValueError(f"{model_dir} is not a checkpoint with a tokenizer (no tokenizer.json)")

@@ -26,7 +26,7 @@ from baton.common.checkpoint import load_checkpoint
 from baton.common.config import ConfigError
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.tokenizer import Tokenizer
-from baton.train.data import DataConfig, build_datasets, torch_loader
+from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.train.distill import teacher_continuations
 
 log = logging.getLogger(__name__)

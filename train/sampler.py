@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import datasets
 import torch
 
-from baton.train.data import torch_loader
+from baton.common.data import torch_loader
 
 
 @dataclass

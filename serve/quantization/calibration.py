@@ -1,8 +1,9 @@
 """Calibration data from the training corpus, and layer-by-layer execution over it.
 
 Calibration samples come from the *training* split and evaluation (baton.serve.eval) from the
-*validation* split of the same `CorpusConfig`, so they never overlap. The defaults equal the demo
-recipe's data settings (configs/demo.yaml), so the demo model is evaluated on text it never saw.
+*validation* split of the same `DataConfig` (the trainer's own), so they never overlap. The defaults
+equal the demo recipe's data settings (configs/demo.yaml), so the demo model is evaluated on text it
+never saw.
 Methods that calibrate (GPTQ, AWQ, SmoothQuant) quantize one decoder layer at a time: the inputs of
 layer i are the outputs of the already-quantized layers before it, as in the GPTQ paper.
 """
@@ -11,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from baton.common.data import DataConfig, build_datasets
 from baton.common.model import CausalLM, DenseCausalAttention, DecoderLayer
 from baton.common.rope import rotary_cos_sin
 from baton.common.tokenizer import Tokenizer
@@ -25,25 +27,14 @@ class CalibrationError(ValueError):
     """Calibration data that cannot support the requested quantization."""
 
 
-@dataclass
-class CorpusConfig:
-    """Which text, cut how: the same meaning as train.data.DataConfig (None = embedded corpus)."""
-
-    data: str | None = None
-    seq_len: int = 128
-    val_fraction: float = 0.02
-    seed: int = 1234
-    cache_dir: str | None = None
-
-    def splits(self, tokenizer: Tokenizer):
-        from baton.train.data import DataConfig, build_datasets
-
-        return build_datasets(DataConfig(path=self.data, seq_len=self.seq_len, val_fraction=self.val_fraction,
-                                         seed=self.seed, cache_dir=self.cache_dir), tokenizer)
+def demo_corpus() -> DataConfig:
+    """configs/demo.yaml's data settings: the embedded corpus in 128-token blocks, 2% held out."""
+    return DataConfig(seq_len=128, val_fraction=0.02)
 
 
 @dataclass
-class CalibrationConfig(CorpusConfig):
+class CalibrationConfig:
+    data: DataConfig = field(default_factory=demo_corpus)
     num_samples: int = 128
     sample_seed: int = 0  # which training blocks are drawn
 
@@ -52,13 +43,13 @@ def calibration_tokens(cfg: CalibrationConfig, tokenizer: Tokenizer) -> torch.Te
     """[num_samples, seq_len] token ids: a seeded draw of training blocks."""
     if cfg.num_samples < 1:
         raise CalibrationError(f"num_samples must be at least 1, got {cfg.num_samples}")
-    train, _ = cfg.splits(tokenizer)
+    train, _ = build_datasets(cfg.data, tokenizer)
     if len(train) < cfg.num_samples:
-        raise CalibrationError(f"calibration set too small: {cfg.data or 'the default corpus'} has {len(train)} "
-                               f"training blocks of {cfg.seq_len} tokens, {cfg.num_samples} requested")
+        raise CalibrationError(f"calibration set too small: {cfg.data.path or 'the default corpus'} has {len(train)} "
+                               f"training blocks of {cfg.data.seq_len} tokens, {cfg.num_samples} requested")
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.sample_seed))
     rows = train.with_format("torch")[order[:cfg.num_samples].sort().values.tolist()]["input_ids"]
-    return rows[:, :cfg.seq_len].long()
+    return rows[:, :cfg.data.seq_len].long()
 
 
 def check_calibration_size(tokens: torch.Tensor, model: CausalLM) -> None:

@@ -107,8 +107,6 @@ def prune_model(model: CausalLM, pcfg: PruneConfig, tokens: torch.Tensor) -> Cau
 
 def prune_checkpoint(src: str | Path, out: str | Path, pcfg: PruneConfig, calib: CalibrationConfig | None = None) -> Path:
     """`baton prune`: float handoff checkpoint -> smaller dense handoff checkpoint."""
-    from baton.train.data import DataConfig
-
     src, calib = Path(src), calib or CalibrationConfig(num_samples=32)
     if not src.is_dir():
         raise CheckpointError(f"checkpoint directory {src} does not exist")
@@ -117,7 +115,6 @@ def prune_checkpoint(src: str | Path, out: str | Path, pcfg: PruneConfig, calib:
     cfg = read_config(src)
     num_removed(pcfg.heads, cfg.num_key_value_heads, "KV head groups")
     num_removed(pcfg.channels, cfg.intermediate_size, "MLP channels")
-    DataConfig(path=calib.data, seq_len=calib.seq_len)
     if not (src / "tokenizer.json").is_file():
         raise CheckpointError(f"{src} has no tokenizer.json: pruning needs one to tokenize calibration text")
     tokenizer = Tokenizer.from_dir(src)

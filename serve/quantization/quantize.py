@@ -57,8 +57,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, qcfg: QuantConfig,
                         calib: CalibrationConfig | None = None) -> Path:
     """`baton quantize`: float handoff checkpoint -> quantized handoff checkpoint. Every input is
     checked (checkpoint, not already quantized, tokenizer and data for calibration) before any work."""
-    from baton.train.data import DataConfig
-
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"checkpoint directory {src} does not exist")
@@ -70,7 +68,6 @@ def quantize_checkpoint(src: str | Path, out: str | Path, qcfg: QuantConfig,
     tokenizer = None
     if qcfg.needs_calibration:
         calib = calib or CalibrationConfig()
-        DataConfig(path=calib.data, seq_len=calib.seq_len)  # validates the data path now
         if not (src / "tokenizer.json").is_file():
             raise CheckpointError(f"{src} has no tokenizer.json: {qcfg.method} needs one to tokenize calibration text")
         tokenizer = Tokenizer.from_dir(src)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from baton.common.cli import main
 from baton.common.config import ModelConfig
+from baton.common.data import DataConfig
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer
 from baton.serve.eval import EvalConfig, evaluate, heldout_tokens, perplexity, windows
@@ -71,9 +72,9 @@ def test_heldout_stream_is_disjoint_from_calibration(llama_dir, tmp_path):
     path = tmp_path / "text.txt"
     path.write_text("".join(f"Line {i}: {TEXT[i % 300:i % 300 + 40]}\n" for i in range(600)))
     tok = Tokenizer.from_dir(llama_dir)
-    common = dict(data=str(path), seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "ds"))
-    held = heldout_tokens(EvalConfig(**common), tok).reshape(-1, 33)
-    calib = calibration_tokens(CalibrationConfig(**common, num_samples=40), tok)
+    data = DataConfig(path=str(path), seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "ds"))
+    held = heldout_tokens(EvalConfig(data), tok).reshape(-1, 33)
+    calib = calibration_tokens(CalibrationConfig(data, num_samples=40), tok)
     assert len(held) > 0
     held_rows = {tuple(r[:32].tolist()) for r in held}
     assert not held_rows & {tuple(r.tolist()) for r in calib}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from baton.common.checkpoint import CheckpointError, load_checkpoint
+from baton.common.data import DataConfig
 from baton.common.cli import main
 from baton.common.model import greedy_generate
 from baton.serve.engine import EngineConfig
@@ -28,7 +29,8 @@ def corpus(tmp_path_factory):
 
 
 def _calib(corpus, tmp_path, n=16):
-    return CalibrationConfig(data=str(corpus), seq_len=32, val_fraction=0.1, num_samples=n, cache_dir=str(tmp_path / "ds"))
+    data = DataConfig(path=str(corpus), seq_len=32, val_fraction=0.1, cache_dir=str(tmp_path / "ds"))
+    return CalibrationConfig(data, num_samples=n)
 
 
 METHODS = [QuantConfig("rtn", 8), QuantConfig("rtn", 4, 32), QuantConfig("gptq", 4, 64, act_order=True),

@@ -8,7 +8,7 @@ import json
 import torch
 
 from baton.common.cli import main
-from baton.train.data import DataConfig, build_datasets
+from baton.common.data import DataConfig, build_datasets
 from baton.train.distill import teacher_continuations
 
 from .conftest import char_model_checkpoint

@@ -7,7 +7,7 @@ import torch
 
 from baton.common.checkpoint import load_checkpoint
 from baton.common.medusa import load_medusa
-from baton.train.data import DataConfig, build_datasets, torch_loader
+from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.train.medusa import MedusaTrainConfig, medusa_loss, train_medusa
 
 from .conftest import char_model_checkpoint

@@ -9,7 +9,7 @@ import torch
 
 from baton.common.corpus import default_corpus_text
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
-from baton.train.data import DataConfig, build_datasets, read_texts, torch_loader
+from baton.common.data import DataConfig, build_datasets, read_texts, torch_loader
 
 WORDS = "the king said unto his daughter that all men must sleep ere morning comes again".split()
 

@@ -22,13 +22,19 @@ def test_incremental_detokenizer_never_splits_characters():
 
 
 def test_flush_emits_incomplete_tail_as_replacement():
+    """A character cut off by the end of the sequence is held back by add() and only flush() emits it:
+    the text after flush is the tokenizer's own decode of all the ids, U+FFFD included."""
     tok = train_bpe([TEXT], vocab_size=300)
-    ids = tok.encode("ok 🦊")
+    cut = tok.encode("ok 🦊")[:-1]  # the fox's last byte never arrives
+    whole = tok.decode(cut)
+    assert whole.startswith("ok") and whole.endswith("\ufffd"), "the fox must span several tokens"
     detok = IncrementalDetokenizer(tok)
-    for i in ids[:-1]:
-        detok.add(i)
-    assert detok.text.startswith("ok")
-    assert detok.flush().endswith("\ufffd") or "🦊" not in detok.text
+    streamed = "".join(detok.add(i) for i in cut)
+    assert "\ufffd" not in streamed and streamed == detok.text
+    assert len(streamed) < len(whole), "the incomplete tail must be held back until flush"
+    tail = detok.flush()
+    assert tail.endswith("\ufffd") and streamed + tail == detok.text == whole
+    assert detok.flush() == "" and detok.text == whole, "a second flush emits nothing new"
 
 
 def _run(engine, rid, prompt, params):

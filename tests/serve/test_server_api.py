@@ -69,8 +69,12 @@ def test_sampling_options_pass_through(client):
         assert len(c.logprobs) == len(c.token_ids)
         for tid, lp in zip(c.token_ids, c.logprobs):
             assert tid in lp.logprobs and all(v <= 0 for v in lp.logprobs.values())
-    stopped = client.complete("The quick", max_tokens=30, temperature=0, stop_token_ids=[a.completions[0].token_ids[0]])
-    assert stopped.completions[0].finish_reason in ("stop", "length")
+    free = list(client.complete("The quick", max_tokens=30, temperature=0, ignore_eos=True).completions[0].token_ids)
+    stop_id = free[2]
+    at = free.index(stop_id)  # greedy: the same tokens, until the first stop id (which is kept)
+    stopped = client.complete("The quick", max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
+    assert stopped.completions[0].finish_reason == "stop"
+    assert list(stopped.completions[0].token_ids) == free[:at + 1]
 
 
 def test_tokenize_detokenize_and_info(llama_dir, client):

@@ -85,5 +85,7 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     def make_generator(self) -> None:
+        """Sample i of a seeded request draws from seed + i. Reduced mod 2**64, the range
+        manual_seed takes: any int64 seed works, and seed + i cannot overflow it."""
         if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed + self.index)
+            self.generator = torch.Generator().manual_seed((self.params.seed + self.index) % 2**64)

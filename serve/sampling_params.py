@@ -38,7 +38,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL-style, over prompt + output
     presence_penalty: float = 0.0  # OpenAI-style, over output
     frequency_penalty: float = 0.0
-    seed: int | None = None  # any int64; per-request generator: same seed -> same tokens, whatever the batch
+    seed: int | None = None  # any int64; same seed -> same tokens, whatever the batch (speculation: docs/serving.md)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False

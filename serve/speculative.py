@@ -156,7 +156,8 @@ class DraftProposer:
         if m is None:
             m = Sequence(next(self._ids), seq.request_id, seq.index, seq.prompt_token_ids, seq.params)
             if seq.params.seed is not None:
-                m.generator = torch.Generator().manual_seed(seq.params.seed * 7919 + seq.index + 1)
+                # a stream apart from the target's (seed + index); mod 2**64 keeps any int64 seed in range
+                m.generator = torch.Generator().manual_seed((seq.params.seed * 7919 + seq.index + 1) % 2**64)
             self.mirrors[seq.seq_id] = m
         common = next((i for i, (a, b) in enumerate(zip(m.token_ids, seq.token_ids)) if a != b),
                       min(len(m.token_ids), len(seq.token_ids)))

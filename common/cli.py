@@ -127,6 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
                     max_message_bytes=int(args.max_message_mb * 2**20))
     return run(ServerConfig(model=args.model, model_name=args.model_name, host=args.host, port=args.port,
                             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                            metrics_host=args.metrics_host,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=_token(args.auth_token_file),
                             drain_timeout_s=args.drain_timeout, device=args.device, dtype=args.dtype,
                             limits=limits, engine=engine))
@@ -294,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8001, help="gRPC port (0: any free port, logged)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (-1: off, 0: any)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address /metrics binds (default loopback: it has no auth, unlike the gRPC port)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate (chain) to serve TLS; needs --tls-key")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--auth-token-file", default=None,

@@ -39,6 +39,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless widened on purpose
     port: int = 8001  # 0: any free port (logged)
     metrics_port: int | None = 8002  # None: no metrics endpoint
+    metrics_host: str = "127.0.0.1"  # /metrics has no auth: loopback (a local Prometheus agent) unless widened
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     auth_token: str | None = None  # clients send metadata `authorization: Bearer <token>`
@@ -96,10 +97,10 @@ class BatonServer:
         self._server = server
         if cfg.metrics_port is not None:
             try:
-                self.metrics_port = self.rt.metrics.serve(cfg.host, cfg.metrics_port)
+                self.metrics_port = self.rt.metrics.serve(cfg.metrics_host, cfg.metrics_port)
             except OSError as e:
                 await server.stop(None)
-                raise ValueError(f"cannot serve metrics on {cfg.host}:{cfg.metrics_port}: {e}") from None
+                raise ValueError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}") from None
         log.info("listening on %s:%d (%s), not serving until the model is loaded", cfg.host, self.port,
                  "TLS" if cfg.tls_cert else "plaintext")
 
@@ -115,7 +116,8 @@ class BatonServer:
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
         self.rt.engine = self._engine
         await self.rt.set_state("serving")
-        metrics = f"http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
+        mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
+        metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
         log.info("ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s", self.rt.model_name, cfg.host, self.port,
                  "on" if cfg.tls_cert else "off", "on" if cfg.auth_token else "off", metrics)
 

@@ -55,11 +55,15 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                                           "max_position_embeddings": 512}}))
     if not (target / "handoff" / "medusa_config.json").is_file():
         from baton.common.data import DataConfig
+        from baton.serve.distill import DistillConfig, write_distillation_corpus
 
-        # self-distillation: the heads learn the target's own greedy continuations (Medusa, section 3.2)
-        train_medusa(MedusaTrainConfig(base=str(target / "handoff"), data=DataConfig(path=corpus, seq_len=128),
-                                       num_heads=3, steps=steps // 2, batch_size=12, lr=2e-3,
-                                       self_distill=96 if quick else 384))
+        # self-distillation: the heads learn the target's own greedy continuations (Medusa, section 3.2),
+        # written as `baton distill` does, then read like any corpus
+        distilled = write_distillation_corpus(target / "handoff", out / "distill.jsonl", DistillConfig(
+            DataConfig(path=corpus, seq_len=128), samples=96 if quick else 384))
+        train_medusa(MedusaTrainConfig(base=str(target / "handoff"),
+                                       data=DataConfig(path=str(distilled), seq_len=128, val_fraction=0),
+                                       num_heads=3, steps=steps // 2, batch_size=12, lr=2e-3))
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     return target / "handoff", draft / "handoff", text
 

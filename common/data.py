@@ -3,6 +3,8 @@
 Documents are tokenized and joined into one stream with the end-of-text token after each, and
 the stream is cut into blocks of seq_len + 1 tokens (inputs are block[:-1], targets block[1:]);
 the ragged tail is dropped. Blocks are split into train and validation by a seeded shuffle.
+JSON records that carry token ids (`ids_field`, as `baton distill` writes them) are used as those
+ids, not re-encoded: a decode -> encode round trip may not give back the ids a model produced.
 The tokenized and packed tables are cached under `cache_dir`, keyed by the source data, the
 tokenizer's whole tokenizer.json and seq_len, so a second run with the same inputs is fast.
 """
@@ -28,6 +30,7 @@ from baton.common.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json"}  # file suffix -> datasets builder
+IDS = datasets.Sequence(datasets.Value("int32"))  # a document's token ids
 PIPELINE_VERSION = 1  # bump when tokenizing or packing changes, so old caches are not reused
 
 
@@ -38,11 +41,14 @@ class DataConfig:
     `path`: a .txt file (one document per file), a .json/.jsonl file with a `text_field`, a
     directory of such files, None for the embedded default corpus (see baton.common.corpus),
     or otherwise a Hugging Face Hub dataset name (needs network access).
+    `ids_field`: in .json/.jsonl files that have it, each record's token ids, used as they are
+    (plus EOS) instead of encoding its text; records where it is null are encoded.
     `cache_dir`: where `datasets` keeps its caches; default `<baton cache root>/datasets`.
     """
 
     path: str | None = None
     text_field: str = "text"
+    ids_field: str = "token_ids"
     seq_len: int = 256
     val_fraction: float = 0.05
     seed: int = 1234
@@ -55,8 +61,9 @@ class DataConfig:
             raise ValueError(
                 f"DataConfig.val_fraction must be in [0, 1), got {self.val_fraction!r}"
             )
-        if not self.text_field:
-            raise ValueError("DataConfig.text_field must be a non-empty field name")
+        for name in ("text_field", "ids_field"):
+            if not getattr(self, name):
+                raise ValueError(f"DataConfig.{name} must be a non-empty field name")
         if self.path is None:
             return
         local = Path(self.path).expanduser()
@@ -81,21 +88,24 @@ def build_datasets(
     """Train and validation datasets with one column, `input_ids`: lists of seq_len + 1 ids."""
     cache = _cache_dir(cfg)
     source = cfg.path if cfg.path is not None else "the default corpus"
-    docs = _load_documents(cfg, str(cache))
+    docs = _load_documents(cfg, str(cache), tokenizer.vocab_size)
+    ids_field = cfg.ids_field if "ids" in docs.column_names else None
 
     # docs._fingerprint is datasets' own hash of the source (files, their modification times,
-    # builder options); the tokenizer enters by its full serialized form.
+    # builder options); the tokenizer enters by its full serialized form, and whether (which)
+    # given ids are used instead of encoding.
     tokens_key = _hash(
-        PIPELINE_VERSION, docs._fingerprint, tokenizer.hf.to_str(), tokenizer.eos_token
+        PIPELINE_VERSION, docs._fingerprint, tokenizer.hf.to_str(), tokenizer.eos_token, ids_field
     )
     tokens_file = cache / f"baton-tokens-{tokens_key}.arrow"
     if tokens_file.exists():
         log.info("Reusing the tokens of %s cached in %s", source, tokens_file)
     else:
         log.info(
-            "Tokenizing %s (%d documents) with a %d-token vocabulary",
+            "Tokenizing %s (%d documents%s) with a %d-token vocabulary",
             source,
             len(docs),
+            f"; the ids in {ids_field!r} where given" if ids_field else "",
             tokenizer.vocab_size,
         )
     tokens = docs.map(
@@ -161,8 +171,11 @@ def _cache_dir(cfg: DataConfig) -> Path:
     return cache
 
 
-def _load_documents(cfg: DataConfig, cache: str) -> datasets.Dataset:
-    """One row per document, in a single column "text"."""
+def _load_documents(
+    cfg: DataConfig, cache: str, vocab_size: int | None = None
+) -> datasets.Dataset:
+    """One row per document, in a column "text"; given a vocab_size (to check them against), JSON
+    files' `ids_field` too, as a column "ids" (null where a record, or a whole file, has none)."""
     if cfg.path is None:
         files = [default_corpus_path()]
     else:
@@ -186,8 +199,17 @@ def _load_documents(cfg: DataConfig, cache: str) -> datasets.Dataset:
         ds = datasets.load_dataset(
             builder, data_files=group, split="train", cache_dir=cache, **options
         )
-        field = "text" if builder == "text" else cfg.text_field
-        parts.append(_text_column(ds, field, ", ".join(group)))
+        where = ", ".join(group)
+        if builder == "json" and vocab_size is not None and cfg.ids_field in ds.column_names:
+            ds = _text_column(ds, cfg.text_field, where, keep=cfg.ids_field)
+            parts.append(_ids_column(ds, cfg.ids_field, where, vocab_size))
+        else:
+            parts.append(_text_column(ds, "text" if builder == "text" else cfg.text_field, where))
+    if any("ids" in p.column_names for p in parts):  # the text files of a mixed directory
+        parts = [
+            p if "ids" in p.column_names else p.add_column("ids", [None] * len(p), feature=IDS)
+            for p in parts
+        ]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -203,18 +225,52 @@ def _load_hub(cfg: DataConfig, cache: str) -> datasets.Dataset:
     return _text_column(ds, cfg.text_field, cfg.path)
 
 
-def _text_column(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
+def _text_column(
+    ds: datasets.Dataset, field: str, where: str, keep: str | None = None
+) -> datasets.Dataset:
+    """The `field` column as "text" (and the `keep` column beside it)."""
     if field not in ds.column_names:
         raise ValueError(
             f"{where} has no {field!r} field (DataConfig.text_field); it has {ds.column_names}"
         )
-    ds = ds.select_columns([field])
+    ds = ds.select_columns([field] if keep is None else [field, keep])
     return ds if field == "text" else ds.rename_column(field, "text")
 
 
+def _ids_column(ds: datasets.Dataset, field: str, where: str, vocab_size: int) -> datasets.Dataset:
+    """`field` renamed "ids", checked first: lists of integer ids in 0..vocab_size - 1."""
+    column = ds.data.column(field)
+    kind = column.type
+    if pa.types.is_null(kind):  # null in every record: nothing given
+        return ds.rename_column(field, "ids").cast_column("ids", IDS)
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(
+        kind.value_type
+    ):
+        raise ValueError(
+            f"{where}: {field!r} (DataConfig.ids_field) must hold lists of integer token ids, "
+            f"not {kind}"
+        )
+    low, high = (v.as_py() for v in pc.min_max(pc.list_flatten(column)).values())
+    if low is not None and (low < 0 or high >= vocab_size):
+        raise ValueError(
+            f"{where}: {field!r} (DataConfig.ids_field) holds ids in {low}..{high}, outside the "
+            f"tokenizer's vocabulary 0..{vocab_size - 1}"
+        )
+    return ds.rename_column(field, "ids").cast_column("ids", IDS)
+
+
 def _tokenize(batch: dict[str, list], tokenizer: Tokenizer) -> dict[str, list[list[int]]]:
-    texts = [t for t in batch["text"] if t]  # empty or null documents add nothing
-    return {"ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer.encode_batch(texts)]}
+    """Each document's given ids (else its encoded text) + EOS; empty or null ones add nothing."""
+    texts = batch["text"]
+    given = batch.get("ids") or [None] * len(texts)
+    encoded = iter(tokenizer.encode_batch([t for t, g in zip(texts, given) if g is None and t]))
+    out = []
+    for text, ids in zip(texts, given):
+        if ids is None:
+            ids = next(encoded) if text else []
+        if ids:
+            out.append(ids + [tokenizer.eos_token_id])
+    return {"ids": out}
 
 
 def _pack(table: pa.Table, block: int) -> pa.Table:

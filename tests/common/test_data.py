@@ -217,3 +217,56 @@ def test_torch_loader_is_a_seeded_resumable_epoch(tmp_path, tok):
     assert not torch.equal(torch.cat(list(torch_loader(train, 5, seed=4))), epoch)
     assert torch.equal(torch.cat(list(torch_loader(train, 5, seed=3, start_index=7))), epoch[7:])
     assert torch.equal(torch.cat(list(torch_loader(train, 4, seed=0, shuffle=False))), blocks)
+
+
+def test_given_token_ids_are_used_as_they_are_not_re_encoded(tmp_path, tok, monkeypatch):
+    """A distilled corpus carries the model's own ids: ids the tokenizer would never produce for the
+    text (each character on its own, reversed; EOS in mid-document) must come through unchanged."""
+    docs = make_docs(40)
+    given = [list(reversed(tok.encode(" ".join(d)))) + [tok.eos_token_id, 7] for d in docs]
+    assert all(ids != tok.encode(d) for ids, d in zip(given, docs))
+    path = tmp_path / "distilled.jsonl"
+    path.write_text("".join(json.dumps({"text": d, "token_ids": ids}) + "\n" for d, ids in zip(docs, given)))
+    train, _ = build(tmp_path, tok, path=str(path), seq_len=16, val_fraction=0)
+    stream = [i for ids in given for i in ids + [tok.eos_token_id]]
+    assert rows(train) == [stream[k * 17 : (k + 1) * 17] for k in range(len(stream) // 17)]
+
+    # The same file without using the ids (another ids_field) is a different cache entry: the text, encoded.
+    text_train, _ = build(tmp_path, tok, path=str(path), seq_len=16, val_fraction=0, ids_field="none")
+    assert rows(text_train) == expected_blocks(tok, docs, 16)
+    assert len(list((tmp_path / "cache").glob("baton-tokens-*.arrow"))) == 2
+    monkeypatch.setattr(Tokenizer, "encode_batch", lambda *a, **k: pytest.fail("encoded given ids' text"))
+    again, _ = build(tmp_path, tok, path=str(path), seq_len=16, val_fraction=0)
+    assert rows(again) == rows(train)
+
+
+def test_a_directory_mixes_given_ids_and_text_to_encode(tmp_path, tok):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    docs = make_docs(30)
+    (root / "a.txt").write_text(docs[0])
+    records = [{"text": docs[1], "token_ids": [5, 6, 7]}, {"text": docs[2], "token_ids": None}, {"text": docs[3]}]
+    (root / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (root / "c.json").write_text(json.dumps([{"text": d} for d in docs[4:]]))
+    train, _ = build(tmp_path, tok, path=str(root), seq_len=8, val_fraction=0)
+    stream = [i for d in docs[:1] for i in tok.encode(d) + [tok.eos_token_id]] + [5, 6, 7, tok.eos_token_id]
+    stream += [i for d in docs[2:] for i in tok.encode(d) + [tok.eos_token_id]]
+    assert rows(train) == [stream[k * 9 : (k + 1) * 9] for k in range(len(stream) // 9)]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([1, 2, 300], "holds ids in 1..300, outside the tokenizer's vocabulary 0..299"),
+        ([-1, 2], "holds ids in -1..5, outside"),
+        ([1.5, 2], "must hold lists of integer token ids"),
+        (["a", "b"], "must hold lists of integer token ids"),
+        (3, "must hold lists of integer token ids"),
+    ],
+)
+def test_bad_given_ids_are_a_clear_error_naming_the_file(tmp_path, tok, ids, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"text": "the king", "token_ids": [4, 5]}) + "\n"
+                    + json.dumps({"text": "said", "token_ids": ids}) + "\n")
+    with pytest.raises(ValueError, match=f"{path}: 'token_ids' \\(DataConfig.ids_field\\) {message}"):
+        build(tmp_path, tok, path=str(path), seq_len=4)

@@ -41,6 +41,10 @@ def test_heads_learn_and_base_stays_frozen(tmp_path):
 def test_bad_medusa_configs(tmp_path):
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         MedusaTrainConfig(base=str(tmp_path))
+    corpus, _, _ = char_model_checkpoint(tmp_path)
+    data = DataConfig(path=str(corpus), seq_len=48, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="make no full batch of 4096"):  # not an endless wait for one
+        train_medusa(MedusaTrainConfig(base=str(tmp_path / "base"), data=data, batch_size=4096))
 
 
 def test_baton_train_runs_a_medusa_recipe(tmp_path):
@@ -49,11 +53,16 @@ def test_baton_train_runs_a_medusa_recipe(tmp_path):
 
     import yaml
 
+    from baton.serve.distill import DistillConfig, write_distillation_corpus
+
     corpus, _, _ = char_model_checkpoint(tmp_path)
+    # self-distillation: the heads train on the base's own continuations, written by `baton distill`
+    distilled = write_distillation_corpus(tmp_path / "base", tmp_path / "distill.jsonl", DistillConfig(
+        DataConfig(path=str(corpus), seq_len=32, cache_dir=str(tmp_path / "cache")), samples=8))
     recipe = tmp_path / "medusa.yaml"
     recipe.write_text(yaml.safe_dump({
-        "medusa": {"base": str(tmp_path / "base"), "num_heads": 2, "steps": 5, "batch_size": 4, "self_distill": 8},
-        "data": {"path": str(corpus), "seq_len": 32, "cache_dir": str(tmp_path / "cache")}}))
+        "medusa": {"base": str(tmp_path / "base"), "num_heads": 2, "steps": 5, "batch_size": 4},
+        "data": {"path": str(distilled), "seq_len": 32, "val_fraction": 0, "cache_dir": str(tmp_path / "cache")}}))
     out = subprocess.run([sys.executable, "-m", "baton.common.cli", "train", "--config", str(recipe), "medusa.lr=2e-3"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -124,7 +124,9 @@ def _serve(args: argparse.Namespace) -> int:
                           kv_cache_dtype=args.kv_cache_dtype)
     limits = Limits(max_concurrent=args.max_concurrent, max_queued=args.max_queued,
                     max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                    max_message_bytes=int(args.max_message_mb * 2**20))
+                    max_message_bytes=int(args.max_message_mb * 2**20), max_n=args.max_n,
+                    max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_chars,
+                    max_stop_token_ids=args.max_stop_token_ids)
     return run(ServerConfig(model=args.model, model_name=args.model_name, host=args.host, port=args.port,
                             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                             metrics_host=args.metrics_host,
@@ -307,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
     p.add_argument("--max-output-tokens", type=int, default=1024, help="largest max_tokens accepted")
     p.add_argument("--max-message-mb", type=float, default=4.0, help="largest gRPC message either way")
+    p.add_argument("--max-n", type=int, default=16, help="largest sampling n (parallel samples) accepted")
+    p.add_argument("--max-stop-strings", type=int, default=16, help="most stop strings per request")
+    p.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string accepted, in characters")
+    p.add_argument("--max-stop-token-ids", type=int, default=64, help="most stop_token_ids per request")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
     p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",

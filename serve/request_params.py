@@ -1,7 +1,9 @@
 """Sampling parameters from the wire (protobuf or Triton's JSON) into the engine's SamplingParams.
 
 Both paths end in SamplingParams.validate, so a bad value gets the engine's own message, which
-names the field. Unknown JSON keys and wrongly typed values are refused here, by name.
+names the field. Unknown JSON keys and wrongly typed values are refused here, by name. The wire
+admits what validate must refuse: NaN/inf doubles (and "nan" strings, and JSON's 1e400, which
+parses as inf), ints past int64 in JSON, integral floats past any int field's range.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ def from_proto(msg: Message) -> SamplingParams:
 def _coerce(key: str, value):
     """JSON value -> the field's type. Triton clients often send numbers as strings: accept those."""
     hint = _HINTS[key]
-    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)  # X | None -> X
+    optional = type(None) in typing.get_args(hint)  # X | None (list[str]'s args are not Optional's)
+    base = next(t for t in typing.get_args(hint) if t is not type(None)) if optional else hint
     if typing.get_origin(base) is list:
         item = typing.get_args(base)[0]
         if not isinstance(value, list):
             value = [value]
         return [_scalar(key, v, item) for v in value]
-    if value is None and base is not hint:
+    if value is None and optional:
         return None
     return _scalar(key, value, base)
 
@@ -65,13 +68,11 @@ def _scalar(key: str, value, typ: type):
             except ValueError:
                 pass
     elif typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
+        try:
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                return float(value)  # "nan", "inf" and 1e400 (parsed as inf) are left to validate
+        except (ValueError, OverflowError):  # not a number, or an int past float's range
+            pass
     elif typ is str and isinstance(value, str):
         return value
     raise invalid(f"sampling_parameters.{key}: expected {typ.__name__}, got {value!r}")
@@ -81,7 +82,7 @@ def from_json(text: str) -> SamplingParams:
     """Triton's `sampling_parameters` input: a JSON object of vLLM-named fields."""
     try:
         obj = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # JSONDecodeError, or an integer literal past Python's 4300-digit limit
         raise invalid(f"sampling_parameters is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise invalid(f"sampling_parameters must be a JSON object, got {type(obj).__name__}")

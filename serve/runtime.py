@@ -43,6 +43,13 @@ class Limits:
     max_prompt_tokens: int | None = None  # None: the model's context
     max_output_tokens: int = 1024  # per sample (sampling max_tokens)
     max_message_bytes: int = 4 * 2**20  # largest request or response message
+    # Per-request bounds on what the wire lets a client ask for (sampling n, stop lists): without
+    # them one call could hold the engine for everyone (n forks bypass max_num_seqs admission, and
+    # every stop string is searched in every new piece of text).
+    max_n: int = 16  # parallel samples per request (vLLM: VLLM_MAX_N_SEQUENCES; OpenAI's n caps at 128)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256  # per stop string
+    max_stop_token_ids: int = 64
 
 
 @dataclass
@@ -96,13 +103,26 @@ class Runtime:
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Prompt token ids after every check, or RpcError naming what is wrong."""
-        if params.max_tokens > self.limits.max_output_tokens:
+        lim = self.limits
+        if params.max_tokens > lim.max_output_tokens:
             raise invalid(f"max_tokens is {params.max_tokens}; this server allows at most "
-                          f"{self.limits.max_output_tokens} (--max-output-tokens)")
+                          f"{lim.max_output_tokens} (--max-output-tokens)")
+        if params.n > lim.max_n:
+            raise invalid(f"n is {params.n}; this server allows at most {lim.max_n} (--max-n)")
+        if len(params.stop) > lim.max_stop_strings:
+            raise invalid(f"stop has {len(params.stop)} strings; this server allows at most "
+                          f"{lim.max_stop_strings} (--max-stop-strings)")
+        longest = max(map(len, params.stop), default=0)
+        if longest > lim.max_stop_string_chars:
+            raise invalid(f"a stop string has {longest} characters; this server allows at most "
+                          f"{lim.max_stop_string_chars} (--max-stop-chars)")
+        if len(params.stop_token_ids) > lim.max_stop_token_ids:
+            raise invalid(f"stop_token_ids has {len(params.stop_token_ids)} ids; this server allows at most "
+                          f"{lim.max_stop_token_ids} (--max-stop-token-ids)")
         ids = self.llm.validate_request(prompt, params)  # ValueError -> INVALID_ARGUMENT
-        if self.limits.max_prompt_tokens is not None and len(ids) > self.limits.max_prompt_tokens:
+        if lim.max_prompt_tokens is not None and len(ids) > lim.max_prompt_tokens:
             raise invalid(f"prompt has {len(ids)} tokens; this server allows at most "
-                          f"{self.limits.max_prompt_tokens} (--max-prompt-tokens)")
+                          f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
         return ids
 
     # ------------------------------------------------------------------------------ generation

@@ -9,7 +9,9 @@ import json
 import grpc
 import pytest
 
+from baton.common.cli import build_parser
 from baton.serve import proto
+from baton.serve import server as server_module
 from baton.serve.client import BatonClient, generate_request
 from baton.serve.kserve_tensors import decode_bytes, encode_bytes
 from baton.serve.runtime import Limits
@@ -149,3 +151,19 @@ def test_baton_extremes_are_served(server, greedy):
         info = c.server_info()
         assert info.engine_requests == 0 and info.kv_blocks_free == info.kv_blocks_total, info
     still_serving(server, greedy)
+
+
+def test_baton_serve_flags_set_the_bounds(monkeypatch, llama_dir):
+    configs = []
+    monkeypatch.setattr(server_module, "run", lambda config: configs.append(config) or 0)
+    args = build_parser().parse_args(["serve", "--model", str(llama_dir), "--max-n", "2", "--max-stop-strings", "1",
+                                      "--max-stop-chars", "3", "--max-stop-token-ids", "4"])
+    assert args.func(args) == 0
+    args = build_parser().parse_args(["serve", "--model", str(llama_dir)])
+    args.func(args)
+
+    def bounds(limits: Limits) -> tuple[int, ...]:
+        return limits.max_n, limits.max_stop_strings, limits.max_stop_string_chars, limits.max_stop_token_ids
+
+    assert bounds(configs[0].limits) == (2, 1, 3, 4)
+    assert bounds(configs[1].limits) == bounds(Limits())  # the flags' defaults are the Limits defaults

@@ -2,7 +2,9 @@
 
 The gRPC server awaits `generate(...)`; leaving the iterator early (client cancelled, deadline)
 aborts the request, which frees its KV blocks at once. Requests are validated in the caller's
-thread, so bad input raises ValueError before anything is queued.
+thread, so bad input raises ValueError before anything is queued. A request the engine fails
+(its final output carries `error`) raises RequestFailedError in its stream only; the loop stops
+only when step() itself raises, and then every stream gets EngineDeadError with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 from typing import AsyncIterator
 
 from baton.serve.engine import LLMEngine
+from baton.serve.faults import EngineFault
 from baton.serve.outputs import RequestOutput
 from baton.serve.sampling_params import SamplingParams
 
@@ -21,6 +24,18 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; in-flight and new requests fail with this."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"engine loop crashed: {reason}")
+        self.reason = reason
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (a server-side bug); it and the other requests go on."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(f"request {request_id!r} failed in the engine: {message}")
+        self.request_id, self.message = request_id, message
 
 
 class AsyncLLMEngine:
@@ -31,6 +46,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.dead: BaseException | None = None
+        self.failure_reason: str | None = None  # set with dead: a short why
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
@@ -43,13 +59,15 @@ class AsyncLLMEngine:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
             except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
-                log.exception("engine loop crashed")
+                self.failure_reason = str(e) if isinstance(e, EngineFault) else repr(e)
+                log.exception("engine loop crashed: %s", self.failure_reason)
                 self.dead = e
                 for rid in list(self._streams):
-                    self._deliver(rid, EngineDeadError(f"engine loop crashed: {e!r}"))
+                    self._deliver(rid, EngineDeadError(self.failure_reason))
                 return
             for out in outputs:
-                self._deliver(out.request_id, out)
+                failed = out.error is not None
+                self._deliver(out.request_id, RequestFailedError(out.request_id, out.error) if failed else out)
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -67,7 +85,7 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
-            raise EngineDeadError(f"engine loop crashed: {self.dead!r}")
+            raise EngineDeadError(self.failure_reason)
         if self._stopping:
             raise RuntimeError("engine is shutting down")
         queue: asyncio.Queue = asyncio.Queue()

@@ -112,4 +112,5 @@ class BatonService:
         parse(proto.baton("ServerInfoRequest"), data)
         numbers = await asyncio.to_thread(self.rt.engine_numbers)  # waits for the engine lock: off the loop
         return proto.baton("ServerInfoResponse")(version=VERSION, uptime_s=time.monotonic() - self.rt.started,
-                                                 state=self.rt.state, **(numbers or {}))
+                                                 state=self.rt.state, failure_reason=self.rt.failure_reason or "",
+                                                 **(numbers or {}))

@@ -2,6 +2,19 @@
 
 step() = schedule (continuous batching) -> run the model on the packed batch -> sample ->
 append tokens, detokenize, check stop conditions -> retire finished sequences (freeing blocks).
+
+A request can fail only itself. An exception in one sequence's work (its speculative proposal,
+sampling, appending its token, detokenizing, stop checks, verification, building its output)
+fails that request: its sequences are retired through the scheduler, which frees their blocks at
+once, and step() returns its final RequestOutput with `error` set and finish_reason "error" on
+every sample (AsyncLLMEngine turns that into RequestFailedError for that stream alone); the rest
+of the batch goes on in the same step. Batched work that raises (proposals, sampling) is retried
+sequence by sequence to find the one at fault (a seeded sample drawn before the batch raised
+draws again). An exception in the batched forward fails exactly the requests scheduled in it.
+After any failure the KV pools are recounted (serve/faults.py): only a recount that does not add
+up, or an exception while failing a request, escapes step() (EngineFault) - the engine is then
+dead. Admission refuses what the KV pool or the batch could never hold, so the scheduler always
+makes progress; should it not, the request at the head of the queue is failed, not the engine.
 """
 
 from __future__ import annotations
@@ -19,13 +32,14 @@ from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
+from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
 from baton.serve.model_runner import ModelRunner, kv_block_bytes
 from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
 from baton.serve.sampler import SampleResult, logprobs_of, sample, target_distribution
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig, clear_speculation
+from baton.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, clear_speculation
 from baton.serve.sequence import Sequence, SequenceStatus
 from baton.serve.speculative import AdaptiveK, SpecStats, SpeculativeConfig, chain_parents, choose, make_proposer
 from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
@@ -63,6 +77,7 @@ class _Request:
     detoks: list[IncrementalDetokenizer | None]
     emitted_text: list[str]  # text already reported per sample (stop-string hold-back)
     reported_tokens: list[int]
+    error: str | None = None  # why it failed (then every sample is retired)
 
 
 class LLMEngine:
@@ -94,6 +109,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
+        self._failed: list[_Request] = []  # failed during the current step, which reports them
         self.spec_config = config.speculative
         self.spec_stats = SpecStats()
         self.proposer = None
@@ -158,10 +175,7 @@ class LLMEngine:
                              f"({sched.max_num_batched_tokens}) with chunked prefill off")
         if self.config.streaming and params.n != 1:
             raise ValueError("StreamingLLM mode generates one sample per request (n=1)")
-        limit = len(ids) + 1 if self.config.streaming else min(self.max_model_len, len(ids) + params.max_tokens)
-        if not self.config.streaming and -(-limit // self.config.block_size) > self.block_manager.num_blocks:
-            raise ValueError(f"the KV cache ({self.block_manager.num_blocks} blocks of {self.config.block_size}) "
-                             f"cannot hold one sequence of {limit} tokens: raise the KV budget or lower max_tokens")
+        self.scheduler.check_fits(len(ids), params, self.max_model_len)
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -181,75 +195,153 @@ class LLMEngine:
         return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
+        req = self.requests.pop(request_id, None)
         if req is None:
             return None
         for seq in req.seqs:
-            if not seq.is_finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
-            if self.proposer is not None:
-                self.proposer.release(seq)
-                self.adaptive_k.forget(seq)
-        del self.requests[request_id]
+            self._retire(seq, "abort")
         return self._output(req, final=True)
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """Out of the scheduler (its blocks go back) and out of the proposer."""
+        if self.proposer is not None:
+            self.proposer.release(seq)
+            self.adaptive_k.forget(seq)
+        if not seq.is_finished:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        """schedule -> forward -> postprocess; a failure is contained as the module docstring says."""
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
-                raise RuntimeError("scheduler made no progress: the KV cache is too small for any waiting request")
-            return []
+                self._fail_unschedulable()
+        elif (result := self._forward(sched)) is not None:
+            self._postprocess(sched, *result, touched)
+        return self._outputs(touched)
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
+        """Block ops, then the batched model step: (logits, groups, hidden), or None when it raised
+        (then the requests in the batch have failed)."""
         rerot = self.eviction.pending_rerotations if isinstance(self.eviction, StreamingLLMPolicy) else []
-        self.runner.apply_block_ops(*self.block_manager.take_pending(), rerotations=list(rerot))
+        ops, rotations, applied = self.block_manager.take_pending(), list(rerot), False
         rerot.clear()
         positions_in_cache = bool(self.eviction and self.eviction.positions_in_cache)
         want_hidden = getattr(self.proposer, "wants_hidden", False)
-        result = self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
-        logits, groups = result[0], result[1]
-        hidden = result[2] if want_hidden else None
+        try:
+            self.runner.apply_block_ops(*ops, rerotations=rotations)
+            applied = True
+            if self.fault_injector is not None:
+                for seq, _ in sched.scheduled:
+                    self.fault_injector("forward", seq)
+            result = self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
+        except Exception as e:
+            hit = [seq for seq, _ in sched.scheduled]
+            if not applied:  # a sequence swapped out this step may not have reached the host pool
+                hit += [seq for seq in sched.preempted if seq.status is SequenceStatus.SWAPPED]
+            for rid in dict.fromkeys(seq.request_id for seq in hit):
+                self._fail(self.requests[rid], "forward" if applied else "block copies", e)
+            return None
+        return result[0], result[1], result[2] if want_hidden else None
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor, groups: list,
+                     hidden: torch.Tensor | None, touched: dict[str, _Request]) -> None:
+        """Advance each sequence, verify or fork, sample, append; a raise fails that request only."""
         self.stats["steps"] += 1
         for seq, n in sched.scheduled:
             if not seq.spec_token_ids:  # speculative steps advance in _verify, by what is accepted
                 seq.num_computed_tokens += n
-                self.block_manager.register_full_blocks(seq)
                 if seq.num_computed_tokens <= seq.num_prompt_tokens:
                     self.stats["prompt_tokens"] += n
-        touched: dict[str, _Request] = {}
+                try:
+                    self.block_manager.register_full_blocks(seq)
+                except Exception as e:
+                    self._fail_seq(seq, "postprocess", e)
         now = time.monotonic()
         rows, targets, row = [], [], 0
         for seq, nrows in groups:
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
-            if seq.spec_token_ids:
-                last = self._verify(req, seq, logits[row:row + nrows], now)
-                if hidden is not None and not seq.is_finished:
-                    self.proposer.observe(seq, hidden[row + last])
-            else:
-                group = [seq]
-                if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
-                    group += self._fork(req, seq)
-                rows += [row] * len(group)
-                targets += group
-                if hidden is not None:
-                    for s in group:
-                        self.proposer.observe(s, hidden[row])
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            try:  # (a finished sequence's request failed with another of its samples)
+                if seq.spec_token_ids and not seq.is_finished:
+                    last = self._verify(req, seq, logits[row:row + nrows], now)
+                    if hidden is not None and not seq.is_finished:
+                        self.proposer.observe(seq, hidden[row + last])
+                elif not seq.is_finished:
+                    group = [seq]
+                    if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
+                        group += self._fork(req, seq)
+                    if hidden is not None:
+                        for s in group:
+                            self.proposer.observe(s, hidden[row])
+                    rows += [row] * len(group)
+                    targets += group
+            except Exception as e:
+                self._fail(req, "postprocess", e)
             row += nrows
-        for seq, res in zip(targets, sample(logits[rows], targets)):
-            self._append(self.requests[seq.request_id], seq, res, now)
+        row_of = {s.seq_id: r for s, r in zip(targets, rows)}
+        sample_rows = lambda b: sample(logits[[row_of[s.seq_id] for s in b]], b)  # noqa: E731
+        for seq, res in per_sequence("sample", targets, sample_rows, self.fault_injector, self._fail_seq):
+            if not seq.is_finished:
+                try:
+                    self._append(self.requests[seq.request_id], seq, res, now)
+                except Exception as e:
+                    self._fail(self.requests[seq.request_id], "postprocess", e)
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+        """One output per request touched or failed this step; finished requests leave the engine."""
         outputs = []
         for req in touched.values():
-            done = all(s.is_finished for s in req.seqs)
-            outputs.append(self._output(req, final=done))
-            if done:
-                del self.requests[req.request_id]
+            if req.error is None:
+                try:
+                    outputs.append(self._output(req, final=all(s.is_finished for s in req.seqs)))
+                except Exception as e:
+                    self._fail(req, "output", e)
+        if self._failed:
+            outputs += [self._output(req, final=True) for req in self._failed]
+            self._failed.clear()
+            s = self.scheduler
+            problem = pool_problem(self.block_manager, s.running + s.waiting + s.swapped)
+            if problem is not None:
+                raise EngineFault(f"the KV cache does not add up after failing requests: {problem}")
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
         return outputs
+
+    # ------------------------------------------------------------------------------ failures
+    def _fail(self, req: _Request, phase: str, exc: Exception) -> None:
+        """Fail one request: retire its sequences (their blocks are free at once); step() reports it."""
+        if req.error is not None:
+            return
+        log.error("request %s failed in %s; the engine goes on without it: %r", req.request_id, phase, exc,
+                  exc_info=exc)
+        req.error = f"{phase} failed: {exc!r}"
+        try:
+            for seq in req.seqs:
+                self._retire(seq, "error")
+        except Exception as e:
+            raise EngineFault(f"could not release request {req.request_id!r} after its {phase} failure: {e!r}") from e
+        self._failed.append(req)
+
+    def _fail_seq(self, seq: Sequence, phase: str, exc: Exception) -> None:
+        self._fail(self.requests[seq.request_id], phase, exc)
+
+    def _fail_unschedulable(self) -> None:
+        """Admission makes this unreachable; should the pool still not take the head of the queue,
+        that request fails, not the engine."""
+        s = self.scheduler
+        seq = (s.swapped or s.waiting or s.running)[0]
+        self._fail(self.requests[seq.request_id], "scheduling", RuntimeError(
+            f"the scheduler made no progress: the KV cache ({self.block_manager.num_blocks} blocks, "
+            f"{self.block_manager.num_free_blocks} free) cannot hold this request's next step"))
 
     # ------------------------------------------------------------------------------ speculation
     def _propose(self) -> None:
@@ -262,7 +354,8 @@ class LLMEngine:
                             budget - s.num_tokens) for s in decoding}
         ready = [s for s in decoding if ks[s.seq_id] > 0]
         if ready:
-            self.proposer.propose(ready, ks)
+            propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
+            per_sequence("propose", ready, propose, self.fault_injector, self._fail_seq)
 
     def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor, now: float) -> int:
         """Accept the longest verified path of the proposal chain/tree; returns the row whose
@@ -311,16 +404,19 @@ class LLMEngine:
                              num_computed_tokens=parent.num_computed_tokens, status=SequenceStatus.RUNNING)
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             child.make_generator()
+            detok = self._detok(req.params)
             self.block_manager.fork(parent, child)
-            self.scheduler.running.append(child)
+            self.scheduler.running.append(child)  # (its slot was reserved when the parent was admitted)
             req.seqs.append(child)
-            req.detoks.append(self._detok(req.params))
+            req.detoks.append(detok)
             req.emitted_text.append("")
             req.reported_tokens.append(0)
             children.append(child)
         return children
 
     def _append(self, req: _Request, seq: Sequence, result, now: float) -> None:
+        if self.fault_injector is not None:
+            self.fault_injector("postprocess", seq)
         token = result.token_id
         seq.token_ids.append(token)
         self.stats["generation_tokens"] += 1
@@ -355,21 +451,22 @@ class LLMEngine:
         return False
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
-        if self.proposer is not None:
-            self.proposer.release(seq)
-            self.adaptive_k.forget(seq)
         detok = self.requests[seq.request_id].detoks[seq.index]
         if detok is not None and not isinstance(stop_reason, str):  # stop strings already cut the text
             detok.flush()
             seq.output_text = detok.text
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.stop_reason = stop_reason
         seq.metrics.finished_time = time.monotonic()
-        self.scheduler.finish(seq)
+        self._retire(seq, reason)
 
     def _output(self, req: _Request, final: bool) -> RequestOutput:
         hold = max((len(s) for s in req.params.stop), default=1) - 1  # never stream a partial stop string
         outs = []
         for seq, in_order in zip(req.seqs, range(len(req.seqs))):
+            if req.error is not None:  # what was reported stands; a failed request adds nothing
+                outs.append(CompletionOutput(seq.index, req.emitted_text[in_order],
+                                             seq.output_token_ids[:req.reported_tokens[in_order]], "error"))
+                continue
             text = seq.output_text
             visible = text if seq.is_finished or hold == 0 else text[:max(len(req.emitted_text[in_order]), len(text) - hold)]
             delta = visible[len(req.emitted_text[in_order]):]
@@ -387,4 +484,4 @@ class LLMEngine:
             num_cached_prompt_tokens=first.metrics.num_cached_prompt_tokens,
             num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
             num_preemptions=sum(s.metrics.num_preemptions for s in req.seqs))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, final, m)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, final, m, req.error)

@@ -56,7 +56,10 @@ class Gate(grpc.aio.ServerInterceptor):
             why = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
             return self._refuse(handler, method, grpc.StatusCode.UNAUTHENTICATED, why)
         if self.rt.state != "serving" and not method.startswith(ALWAYS_OPEN):
-            return self._refuse(handler, method, grpc.StatusCode.UNAVAILABLE, REFUSALS[self.rt.state])
+            why = REFUSALS[self.rt.state]
+            if self.rt.state == "failed":
+                why += f": {self.rt.failure_reason}"
+            return self._refuse(handler, method, grpc.StatusCode.UNAVAILABLE, why)
         return handler
 
     def _refuse(self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,

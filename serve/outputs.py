@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int
     text: str  # cumulative
     token_ids: list[int]  # cumulative
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the request failed)
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""  # new since the previous output of this request
@@ -45,3 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # set (with finished) when the engine failed this request; see serve/engine.py

@@ -77,6 +77,7 @@ class Runtime:
         self.model_name = model_name
         self.limits = limits
         self.state = "loading"  # -> "serving" -> "draining", or "failed" if the engine loop dies
+        self.failure_reason: str | None = None  # why the engine died (refusals and ServerInfo say it)
         self.health = health.aio.HealthServicer()
         self.engine: AsyncLLMEngine | None = None
         self.quantization = "none"  # e.g. "gptq int4", from the checkpoint's quantization_config
@@ -137,9 +138,9 @@ class Runtime:
             remaining = context.time_remaining()
             outcome = "deadline_exceeded" if remaining is not None and remaining < 0.05 else "cancelled"
             raise
-        except EngineDeadError:
+        except EngineDeadError as e:
             outcome = "internal"
-            await self.set_state("failed")  # refuse new work and fail health: the process must be restarted
+            await self.set_state("failed", e.reason)  # refuse new work, fail health: the process must be restarted
             raise
         except Exception as e:
             outcome = status_of(e)[0].name.lower()
@@ -185,8 +186,11 @@ class Runtime:
                  code.name.lower(), peer, why)
 
     # ------------------------------------------------------------------------------ state
-    async def set_state(self, state: str) -> None:
-        """Health follows the state: SERVING only while serving."""
+    async def set_state(self, state: str, reason: str | None = None) -> None:
+        """Health follows the state: SERVING only while serving. The first failure's reason is kept."""
+        if state == "failed" and self.failure_reason is None:
+            self.failure_reason = reason or "unknown"
+            log.error("the engine failed, refusing new work until restarted: %s", self.failure_reason)
         self.state = state
         if state == "draining":
             await self.health.enter_graceful_shutdown()  # NOT_SERVING for good

@@ -5,6 +5,9 @@ prefill chunks together — so a long prompt can never stall the decodes; what b
 admits swapped-out and then waiting sequences, chunking a prompt that does not fit. When blocks
 run out, the lowest-priority running sequence is preempted: by recompute (drop its KV, re-prefill
 later) or by swap (copy its KV to the host pool), per policy.
+
+A request with n > 1 samples is admitted as one sequence that forks after its prompt: it holds n
+of the max_num_seqs slots from admission on, so the forks never overfill the batch.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import time
 from dataclasses import dataclass, field
 
 from baton.serve.block_manager import BlockManager
+from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence, SequenceStatus
-from baton.serve.streaming import EvictionPolicy
+from baton.serve.streaming import EvictionPolicy, StreamingLLMPolicy
 
 
 def clear_speculation(seq: Sequence, keep: int = 0) -> None:
@@ -25,6 +29,11 @@ def clear_speculation(seq: Sequence, keep: int = 0) -> None:
         del seq.spec_token_ids[keep:]
         if seq.spec_draft_probs is not None:
             seq.spec_draft_probs = seq.spec_draft_probs[:keep]
+
+
+def slots(seq: Sequence) -> int:
+    """Batch slots a sequence takes: the first sample of an n > 1 request forks into n after its prompt."""
+    return seq.params.n if seq.index == 0 and seq.num_output_tokens == 0 else 1
 
 
 @dataclass
@@ -73,6 +82,29 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def check_fits(self, num_prompt: int, params: SamplingParams, max_model_len: int) -> None:
+        """ValueError for a request that could never be scheduled: alone, with the whole pool free,
+        each of its steps must fit (it would stall the queue forever otherwise)."""
+        bs, pool = self.bm.block_size, self.bm.num_blocks
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n is {params.n}, more than the {self.config.max_num_seqs} sequences a batch holds "
+                             "(max_num_seqs)")
+        cached = num_prompt + params.max_tokens - 1  # the last token's KV is never computed
+        if isinstance(self.eviction, StreamingLLMPolicy):  # evicted down to sinks + window + a part block
+            sinks = -(-self.eviction.num_sink_tokens // bs) * bs
+            cached = min(cached, sinks + self.eviction.window_tokens + bs - 1)  # (+ the token computed)
+            if not self.config.enable_chunked_prefill:  # (with it, a longer prompt is chunked: see _chunk)
+                cached = max(cached, num_prompt)
+        else:
+            cached = min(cached, max_model_len - 1)
+        if -(-cached // bs) > pool:
+            raise ValueError(f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "
+                             "tokens: raise the KV budget or lower max_tokens")
+        # forked after the prompt, each sample writes its next token's KV into a block of its own:
+        if params.n > 1 and cached > num_prompt and num_prompt // bs + params.n > pool:  # (else: one by one)
+            raise ValueError(f"n={params.n} samples need {num_prompt // bs} shared prompt blocks plus one block "
+                             f"each, more than the KV cache's {pool}: lower n or raise the KV budget")
+
     def _key(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         if self.config.policy == "priority":
             aged = seq.priority - (now - seq.arrival_time) / self.config.priority_aging_s
@@ -106,9 +138,10 @@ class Scheduler:
                 budget -= n
                 i += 1
 
+        used, limit = sum(map(slots, self.running)), self.config.max_num_seqs
         if not out.preempted:  # resume before admitting: swapped sequences are older
             self.swapped.sort(key=lambda s: self._key(s, now))
-            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.swapped and budget > 0 and used + slots(self.swapped[0]) <= limit:
                 seq = self.swapped[0]
                 n = self._chunk(seq, budget)
                 if n == 0 or not self.bm.can_swap_in(seq, n):
@@ -121,10 +154,11 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
+                used += slots(seq)
 
         if not out.preempted and not self.swapped:
             self.waiting.sort(key=lambda s: self._key(s, now))
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and used + slots(self.waiting[0]) <= limit:
                 seq = self.waiting[0]
                 hit = self.bm.match_prefix(seq)  # waiting sequences hold no blocks
                 seq.num_computed_tokens = hit
@@ -142,10 +176,14 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append((seq, n))
                 budget -= n
+                used += slots(seq)
         return out
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens
+        if self.eviction is not None:  # eviction frees room between steps, but one step must fit the pool
+            in_cache = seq.num_computed_tokens - seq.num_evicted_tokens  # (a long prompt is chunked)
+            remaining = min(remaining, self.bm.num_blocks * self.bm.block_size - in_cache)
         if seq.spec_token_ids:  # speculative proposals ride along with the decode, budget permitting
             keep = max(0, min(len(seq.spec_token_ids), budget - remaining))
             if keep < len(seq.spec_token_ids):

@@ -3,18 +3,15 @@
 step() = schedule (continuous batching) -> run the model on the packed batch -> sample ->
 append tokens, detokenize, check stop conditions -> retire finished sequences (freeing blocks).
 
-A request can fail only itself. An exception in one sequence's work (its speculative proposal,
-sampling, appending its token, detokenizing, stop checks, verification, building its output)
-fails that request: its sequences are retired through the scheduler, which frees their blocks at
-once, and step() returns its final RequestOutput with `error` set and finish_reason "error" on
-every sample (AsyncLLMEngine turns that into RequestFailedError for that stream alone); the rest
-of the batch goes on in the same step. Batched work that raises (proposals, sampling) is retried
-sequence by sequence to find the one at fault (a seeded sample drawn before the batch raised
-draws again). An exception in the batched forward fails exactly the requests scheduled in it.
-After any failure the KV pools are recounted (serve/faults.py): only a recount that does not add
-up, or an exception while failing a request, escapes step() (EngineFault) - the engine is then
-dead. Admission refuses what the KV pool or the batch could never hold, so the scheduler always
-makes progress; should it not, the request at the head of the queue is failed, not the engine.
+A request can fail only itself. A raise in one sequence's work (proposal, sampling, appending,
+detokenizing, stop checks, verification, output building) retires that request through the
+scheduler (its blocks are free at once) and step() reports it: a final RequestOutput with `error`
+and finish_reason "error" (AsyncLLMEngine raises RequestFailedError in that stream only). Batched
+proposals/sampling that raise are retried per sequence (a seeded draw made before the raise is
+drawn again); a raising forward fails exactly its batch. Then the KV pools are recounted
+(serve/faults.py): only a count that does not add up, or a raise while failing a request, escapes
+step() as EngineFault - the engine is dead. Admission refuses what could never be scheduled; if
+the scheduler still makes no progress, the request at the head of the queue fails.
 """
 
 from __future__ import annotations
@@ -34,9 +31,10 @@ from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
 from baton.serve.model_runner import ModelRunner, kv_block_bytes
-from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.serve.outputs import RequestOutput
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
+from baton.serve.request_state import RequestState
 from baton.serve.sampler import SampleResult, logprobs_of, sample, target_distribution
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, clear_speculation
@@ -67,19 +65,6 @@ class EngineConfig:
         return self.streaming_window_tokens is not None
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer | None]
-    emitted_text: list[str]  # text already reported per sample (stop-string hold-back)
-    reported_tokens: list[int]
-    error: str | None = None  # why it failed (then every sample is retired)
-
-
 class LLMEngine:
     def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
                  model_dir: str | Path | None = None):
@@ -105,12 +90,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
         self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
-        self._failed: list[_Request] = []  # failed during the current step, which reports them
+        self._failed: list[RequestState] = []  # failed during the current step, which reports them
         self.spec_config = config.speculative
         self.spec_stats = SpecStats()
         self.proposer = None
@@ -187,8 +172,8 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, priority,
                        arrival_time if arrival_time is not None else time.monotonic())
         seq.make_generator()
-        self.requests[request_id] = _Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                                             [seq], [self._detok(params)], [""], [0])
+        self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids,
+                                                 params, [seq], [self._detok(params)], [""], [0])
         self.scheduler.add(seq)
 
     def _detok(self, params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -200,7 +185,7 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             self._retire(seq, "abort")
-        return self._output(req, final=True)
+        return req.output(final=True)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """Out of the scheduler (its blocks go back) and out of the proposer."""
@@ -220,7 +205,7 @@ class LLMEngine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
                 self._fail_unschedulable()
@@ -253,7 +238,7 @@ class LLMEngine:
         return result[0], result[1], result[2] if want_hidden else None
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor, groups: list,
-                     hidden: torch.Tensor | None, touched: dict[str, _Request]) -> None:
+                     hidden: torch.Tensor | None, touched: dict[str, RequestState]) -> None:
         """Advance each sequence, verify or fork, sample, append; a raise fails that request only."""
         self.stats["steps"] += 1
         for seq, n in sched.scheduled:
@@ -295,17 +280,17 @@ class LLMEngine:
                 except Exception as e:
                     self._fail(self.requests[seq.request_id], "postprocess", e)
 
-    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """One output per request touched or failed this step; finished requests leave the engine."""
         outputs = []
         for req in touched.values():
             if req.error is None:
                 try:
-                    outputs.append(self._output(req, final=all(s.is_finished for s in req.seqs)))
+                    outputs.append(req.output(final=all(s.is_finished for s in req.seqs)))
                 except Exception as e:
                     self._fail(req, "output", e)
         if self._failed:
-            outputs += [self._output(req, final=True) for req in self._failed]
+            outputs += [req.output(final=True) for req in self._failed]
             self._failed.clear()
             s = self.scheduler
             problem = pool_problem(self.block_manager, s.running + s.waiting + s.swapped)
@@ -317,7 +302,7 @@ class LLMEngine:
         return outputs
 
     # ------------------------------------------------------------------------------ failures
-    def _fail(self, req: _Request, phase: str, exc: Exception) -> None:
+    def _fail(self, req: RequestState, phase: str, exc: Exception) -> None:
         """Fail one request: retire its sequences (their blocks are free at once); step() reports it."""
         if req.error is not None:
             return
@@ -357,7 +342,7 @@ class LLMEngine:
             propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
             per_sequence("propose", ready, propose, self.fault_injector, self._fail_seq)
 
-    def _verify(self, req: _Request, seq: Sequence, logits: torch.Tensor, now: float) -> int:
+    def _verify(self, req: RequestState, seq: Sequence, logits: torch.Tensor, now: float) -> int:
         """Accept the longest verified path of the proposal chain/tree; returns the row whose
         logits gave the last token (Medusa reads its hidden state)."""
         proposals = seq.spec_token_ids
@@ -395,7 +380,7 @@ class LLMEngine:
             self.block_manager.register_full_blocks(seq)
         return node + 1
 
-    def _fork(self, req: _Request, parent: Sequence) -> list[Sequence]:
+    def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
         """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
         children = []
         for i in range(1, req.params.n):
@@ -414,7 +399,7 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _append(self, req: _Request, seq: Sequence, result, now: float) -> None:
+    def _append(self, req: RequestState, seq: Sequence, result, now: float) -> None:
         if self.fault_injector is not None:
             self.fault_injector("postprocess", seq)
         token = result.token_id
@@ -458,30 +443,3 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         seq.metrics.finished_time = time.monotonic()
         self._retire(seq, reason)
-
-    def _output(self, req: _Request, final: bool) -> RequestOutput:
-        hold = max((len(s) for s in req.params.stop), default=1) - 1  # never stream a partial stop string
-        outs = []
-        for seq, in_order in zip(req.seqs, range(len(req.seqs))):
-            if req.error is not None:  # what was reported stands; a failed request adds nothing
-                outs.append(CompletionOutput(seq.index, req.emitted_text[in_order],
-                                             seq.output_token_ids[:req.reported_tokens[in_order]], "error"))
-                continue
-            text = seq.output_text
-            visible = text if seq.is_finished or hold == 0 else text[:max(len(req.emitted_text[in_order]), len(text) - hold)]
-            delta = visible[len(req.emitted_text[in_order]):]
-            req.emitted_text[in_order] = visible
-            new_ids = seq.output_token_ids[req.reported_tokens[in_order]:]
-            req.reported_tokens[in_order] = seq.num_output_tokens
-            outs.append(CompletionOutput(seq.index, visible, list(seq.output_token_ids), seq.finish_reason,
-                                         seq.stop_reason, list(seq.logprobs) if req.params.logprobs is not None else None,
-                                         delta, new_ids))
-        first = req.seqs[0]
-        m = RequestMetrics(
-            arrival_time=first.arrival_time, first_scheduled_time=first.metrics.first_scheduled_time,
-            first_token_time=min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None),
-            finished_time=time.monotonic() if final else None, num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_prompt_tokens=first.metrics.num_cached_prompt_tokens,
-            num_generated_tokens=sum(s.num_output_tokens for s in req.seqs),
-            num_preemptions=sum(s.metrics.num_preemptions for s in req.seqs))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, final, m, req.error)

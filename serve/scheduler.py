@@ -100,8 +100,9 @@ class Scheduler:
         if -(-cached // bs) > pool:
             raise ValueError(f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "
                              "tokens: raise the KV budget or lower max_tokens")
-        # forked after the prompt, each sample writes its next token's KV into a block of its own:
-        if params.n > 1 and cached > num_prompt and num_prompt // bs + params.n > pool:  # (else: one by one)
+        # Forked after the prompt, each sample writes its next token's KV into a block of its own; with
+        # fewer blocks the samples would only ever run one after another, re-prefilling.
+        if params.n > 1 and cached > num_prompt and num_prompt // bs + params.n > pool:
             raise ValueError(f"n={params.n} samples need {num_prompt // bs} shared prompt blocks plus one block "
                              f"each, more than the KV cache's {pool}: lower n or raise the KV budget")
 

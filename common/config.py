@@ -15,14 +15,16 @@ from typing import Any
 
 import torch
 
+from baton.common.errors import UserError
+
 MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ConfigError(ValueError):
-    """A model configuration that cannot describe a working model."""
+class ConfigError(UserError):
+    """A configuration (a model's, a recipe's) that cannot describe a working model or run."""
 
 
 @dataclass

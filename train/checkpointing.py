@@ -80,11 +80,16 @@ def read_state(path: Path) -> dict[str, Any]:
 
 
 def check_resumable(state: dict[str, Any], path: Path, cfg: TrainConfig, world_size: int) -> None:
-    """What must not change across a resume: the samples per step (the data order depends on it)."""
+    """What must not change across a resume: the samples per step (the data order depends on it), and
+    for torch3d the checkpoint format. (The data, tokenizer and seeds: baton.train.provenance.)"""
     if state["global_batch"] != cfg.global_batch(world_size):
         raise ConfigError(f"cannot resume {path}: it was trained with a global batch of {state['global_batch']} "
                           f"samples, this run has {cfg.global_batch(world_size)}; set global_batch_size="
                           f"{state['global_batch']} (grad_accum_steps then follows the world size)")
+    if cfg.backend == "torch3d" and state["layout"]["backend"] != "torch3d":
+        raise ConfigError(f"cannot resume {path}: it was written by backend {state['layout']['backend']!r}; backend "
+                          "torch3d resumes only its own (DCP) checkpoints, at any layout. Resume it with its own "
+                          "backend, or start from its exported weights")
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"cannot resume {path} (step {state['step']}) with max_steps={cfg.max_steps}")
 

@@ -1,14 +1,14 @@
 """Training recipe: dataclasses loaded from YAML (+ key=value overrides), validated up front.
 
 Everything that can be wrong with a recipe (unknown keys, impossible batch arithmetic, missing
-data, DeepSpeed settings that DeepSpeed would silently reinterpret) raises a ConfigError before a
-single weight is allocated. Checks that need the world size run again at the start of training.
+data, DeepSpeed settings that DeepSpeed would silently reinterpret, pass-throughs - deepspeed.extra,
+the model section - that contradict the rest of the recipe) raises a ConfigError before a single
+weight is allocated. Checks that need the world size run again at the start of training.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +17,9 @@ from typing import Any
 import yaml
 
 from baton.common.config import PRESETS, ConfigError, ModelConfig
-from baton.train.data import DataConfig
+from baton.common.data import DataConfig
+from baton.train.deepspeed_config import check_ds_config, check_zero
+from baton.train.distributed import read_launch
 from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
 
 BACKENDS = ("torch", "deepspeed", "torch3d")
@@ -68,6 +70,8 @@ class CheckpointConfig:
     interval: int = 0  # save every N steps (0: only at the end)
     keep_last: int = 2  # older step checkpoints are deleted
     resume: str = "auto"  # auto: the latest under out_dir/checkpoints, if any; never; or a path
+    # Resume even if the data, tokenizer, seq_len or seed differ from the checkpoint's (each is warned about).
+    allow_resume_mismatch: bool = False
 
 
 @dataclass
@@ -149,7 +153,7 @@ class TrainConfig:
             need((Path(self.tokenizer.path) / "tokenizer.json").is_file(),
                  f"tokenizer.path {self.tokenizer.path} has no tokenizer.json")
         self._validate_model(need)
-        self._validate_backend(need)
+        self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
         r = self.recompute
         need(r.mode in RECOMPUTE_MODES, f"recompute.mode must be one of {RECOMPUTE_MODES}, got {r.mode!r}")
@@ -186,47 +190,52 @@ class TrainConfig:
         need(self.data.seq_len <= mc.max_position_embeddings,
              f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}")
 
-    def _validate_backend(self, need) -> None:
+    def _validate_backend(self, need, dp: int | None) -> None:
         need(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         d = self.deepspeed
         need(d.stage in (0, 1, 2, 3), f"deepspeed.stage must be 0, 1, 2 or 3, got {d.stage!r}")
         for name in ("offload_optimizer", "offload_param"):
             v = getattr(d, name)
             need(v in OFFLOAD_DEVICES, f"deepspeed.{name} must be one of {OFFLOAD_DEVICES}, got {v!r}")
-        offloading = d.offload_optimizer != "none" or d.offload_param != "none"
-        if self.backend != "deepspeed":
-            need(not offloading, "offload needs backend: deepspeed")
+        if self.backend != "deepspeed":  # the section would be ignored: say so rather than train without it
+            need(d.offload_optimizer == d.offload_param == "none", "offload needs backend: deepspeed")
+            default = DeepSpeedConfig()
+            changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(default, f.name)]
+            need(not changed, f"deepspeed.{', deepspeed.'.join(changed)} set, but backend is {self.backend!r}: "
+                 "the deepspeed section needs backend: deepspeed")
             return
-        need(d.offload_optimizer == "none" or d.stage >= 1, "deepspeed.offload_optimizer needs ZeRO stage >= 1")
-        need(d.offload_param == "none" or d.stage == 3, "deepspeed.offload_param needs ZeRO stage 3 (only stage 3 shards parameters)")
-        # Trap: DeepSpeed accepts nvme optimizer offload at stage 1/2 and silently keeps the state in CPU memory.
-        need(d.offload_optimizer != "nvme" or d.stage == 3,
-             "deepspeed.offload_optimizer: nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently "
-             "offloads to CPU memory instead. Use stage 3, or offload_optimizer: cpu")
-        nvme = "nvme" in (d.offload_optimizer, d.offload_param)
-        need(not nvme or bool(d.nvme_path), "nvme offload needs deepspeed.nvme_path (a local folder)")
+        check_zero(need, d.stage, d.offload_optimizer, d.offload_param, d.nvme_path,
+                   {k: f"deepspeed.{k}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")})
         need(not (d.cpu_adam and d.offload_optimizer == "none"),
              "deepspeed.cpu_adam runs the optimizer on the host: it needs offload_optimizer cpu or nvme")
-        reserved = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "optimizer",
-                    "scheduler", "fp16", "bf16", "gradient_clipping"}
-        clash = sorted(reserved & set(d.extra))
-        need(not clash, f"deepspeed.extra must not set {', '.join(clash)}: Baton derives them from the recipe")
+        # deepspeed.extra is merged on top: what DeepSpeed will really run is checked, not just Baton's keys.
+        check_ds_config(need, self, dp if dp is not None else read_launch().world_size)
 
     def _validate_parallel(self, need) -> None:
-        """The layout, checked with the launcher's WORLD_SIZE before any process group exists
+        """The layout, checked with the launcher's (or srun's) world size before any process group exists
         (the vocabulary is not known yet, and no layout check depends on it)."""
         if self.backend != "torch3d":
             need(self.parallel == ParallelConfig(), "the parallel section needs backend: torch3d")
             return
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = read_launch().world_size
         accum = self.accum_steps(data_parallel_size(self.parallel, world))
         check_layout(self.parallel, self.model_config(vocab_size=self.model.get("vocab_size", 1024)), world,
                      max(1, accum), self.data.seq_len)
 
     def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
-        """The model config; vocab size and special token ids come from the tokenizer."""
+        """The model config; vocab size and special token ids come from the tokenizer. The recipe's
+        model section may pad the vocabulary, but not shrink it below the tokenizer's or give the
+        special tokens other ids: the embedding would be indexed out of range, or train the wrong rows."""
         model = dict(self.model)
         base = PRESETS.get(model.pop("preset", None), {})
+        v = model.get("vocab_size", vocab_size)
+        if not isinstance(v, int) or v < vocab_size:
+            raise ConfigError(f"model.vocab_size {v!r} is smaller than the tokenizer's vocabulary of {vocab_size}: "
+                              "drop it (the tokenizer sets it) or make it larger")
+        for name, tid in token_ids.items():
+            if name in model and model[name] != tid:
+                raise ConfigError(f"model.{name} {model[name]!r} disagrees with the tokenizer's {tid!r}: drop it "
+                                  "(the tokenizer sets it)")
         return ModelConfig.from_dict({**base, "vocab_size": vocab_size, **token_ids, **model})
 
     def to_dict(self) -> dict[str, Any]:

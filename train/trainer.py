@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
-from baton.train import checkpointing
+from baton.train import checkpointing, provenance
 from baton.train.backends import Backend, build_backend
 from baton.train.config import TrainConfig
-from baton.train.data import build_datasets, read_texts, torch_loader
-from baton.train.distributed import Dist, init_distributed
+from baton.common.data import build_datasets, read_texts, torch_loader
+from baton.train.distributed import Dist, init_distributed, read_launch
 from baton.train.export import export_checkpoint
 from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
 from baton.train.recompute import apply_recompute
@@ -87,26 +88,39 @@ def evaluate(backend: Backend, val_ds, cfg: TrainConfig) -> float | None:
     return sum(losses) / len(losses)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    """Train per the recipe; under a launcher, every rank calls this."""
-    dist = init_distributed(need_group=cfg.backend in ("deepspeed", "torch3d"))
-    # ---- checks: nothing is built or written before these pass
-    dp, dp_rank = cfg.data_parallel_size(dist.world_size), cfg.data_parallel_rank(dist.rank, dist.world_size)
-    cfg.validate(dp)
+def _check(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path | None, dict | None, dict]:
+    """Every check of the recipe against the world size, the machine and the checkpoint it resumes:
+    (checkpoint, its state, this run's inputs)."""
+    cfg.validate(cfg.data_parallel_size(world_size))
     if cfg.backend == "deepspeed":
         from baton.train.backends.deepspeed import check_environment
 
         check_environment(cfg)
     resume = checkpointing.resolve_resume(cfg)
     saved = checkpointing.read_state(resume) if resume else None
+    inputs = provenance.describe(cfg)
     if saved:
-        checkpointing.check_resumable(saved, resume, cfg, dp)
+        checkpointing.check_resumable(saved, resume, cfg, cfg.data_parallel_size(world_size))
+        provenance.check_resume_inputs(saved, resume, cfg, inputs, main=rank == 0)
+    return resume, saved, inputs
+
+
+def train(cfg: TrainConfig) -> TrainResult:
+    """Train per the recipe; under a launcher (or srun), every rank calls this."""
+    # ---- checks: no process group is made, and nothing built or written, before these pass
+    launch = read_launch()
+    resume, saved, inputs = _check(cfg, launch.rank, launch.world_size)
+    dist = init_distributed(need_group=cfg.backend in ("deepspeed", "torch3d"))
+    if (dist.rank, dist.world_size) != (launch.rank, launch.world_size):  # a caller made the group itself
+        resume, saved, inputs = _check(cfg, dist.rank, dist.world_size)
+    dp, dp_rank = cfg.data_parallel_size(dist.world_size), cfg.data_parallel_rank(dist.rank, dist.world_size)
 
     # ---- data, model, backend
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = prepare_tokenizer(cfg, dist, resume)
+    inputs = provenance.with_tokenizer(inputs, tok)
     model_cfg = cfg.model_config(tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
                                  pad_token_id=tok.pad_token_id)
     if saved:
@@ -119,6 +133,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     accum, global_batch, seq = cfg.accum_steps(dp), cfg.global_batch(dp), cfg.data.seq_len
     step, tokens_seen, nan_streak, skipped, position = 0, 0, 0, 0, DataPosition()
     sampler = GlobalBatches(train_ds, global_batch, cfg.seed, position)  # raises if the data is too small
+    begin_work()  # the checks are over: from here on, a ValueError is a bug, shown with its traceback
     model = build_model(model_cfg, seed=cfg.seed)
     attn = apply_recompute(model, cfg.recompute)
     backend = build_backend(cfg, model, attn, dist)
@@ -190,7 +205,7 @@ def train(cfg: TrainConfig) -> TrainResult:
             last_ckpt = root / f"step_{step:08d}"
             trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": sampler.state_dict(),
                              "global_batch": global_batch, "nan_streak": nan_streak, "skipped_steps": skipped,
-                             "seed": cfg.seed}
+                             "seed": cfg.seed, "inputs": inputs}
             checkpointing.save(last_ckpt, backend, dist, trainer_state, model_cfg, tok)
             if dist.is_main:
                 checkpointing.prune(root, cfg.checkpoint.keep_last)

@@ -33,6 +33,7 @@ from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult, lm_loss, param_groups
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
 from baton.train.config import TrainConfig
+from baton.train.deepspeed_config import ds_config
 from baton.train.distributed import Dist
 from baton.train.universal import MOMENTS, UniversalState, read_any
 
@@ -103,31 +104,6 @@ def prepare_ops(cfg: TrainConfig) -> None:
                 stale.unlink()
             log.info("loading DeepSpeed op %s (built once into %s; the first build takes minutes)", b.name, root)
             b.load(verbose=False)
-
-
-def ds_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
-    d = cfg.deepspeed
-    zero: dict[str, Any] = {"stage": d.stage}
-    for key, device in (("offload_optimizer", d.offload_optimizer), ("offload_param", d.offload_param)):
-        if device != "none":
-            zero[key] = {"device": device, **({"nvme_path": d.nvme_path} if device == "nvme" else {})}
-    conf = {
-        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.accum_steps(world_size),
-        "gradient_clipping": cfg.optim.grad_clip,
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,  # torch AdamW on offloaded state is allowed (slower)
-        "steps_per_print": 2**31 - 1,
-    }
-    return _merge(conf, d.extra)
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
 
 
 class DeepSpeedBackend:

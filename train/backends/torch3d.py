@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from baton.common.config import ConfigError
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult
 from baton.train.config import TrainConfig
@@ -64,9 +65,9 @@ class Torch3DBackend:
 
     def load(self, directory: Path, saved: Layout) -> None:
         if saved.backend != "torch3d":
-            raise ValueError(f"{directory} was written by backend {saved.backend!r}; backend torch3d resumes only its "
-                             "own (DCP) checkpoints, at any layout. Resume it with its own backend, or start from "
-                             "its exported weights")
+            raise ConfigError(f"{directory} was written by backend {saved.backend!r}; backend torch3d resumes only "
+                              "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start "
+                              "from its exported weights")
         checkpoint.load(self.engine, directory / DCP_DIR)
 
     def memory(self) -> dict[str, Any]:

@@ -11,7 +11,11 @@ import json
 import logging
 import os
 import sys
+import traceback
 from pathlib import Path
+
+from baton.common import errors
+from baton.common.errors import UserError
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -68,6 +72,10 @@ def _train(args: argparse.Namespace) -> int:
     from baton.train.trainer import train
 
     cfg = load_recipe(args.config, args.overrides)  # fails here, before any work, on a bad recipe
+    if args.allow_resume_mismatch:
+        if isinstance(cfg, MedusaTrainConfig):
+            raise UserError("--allow-resume-mismatch applies to model recipes; a Medusa recipe does not resume")
+        cfg.checkpoint.allow_resume_mismatch = True
     if isinstance(cfg, MedusaTrainConfig):
         print(f"Medusa heads written into {train_medusa(cfg)} (serve with: baton serve --speculative medusa)")
         return 0
@@ -234,6 +242,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description="Train transformer LMs and serve them.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("demo", help="the main job on the embedded default: train a small model, hand it off, generate")
@@ -245,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model, or Medusa heads for one, from a YAML recipe (configs/*.yaml)")
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
+    p.add_argument("--allow-resume-mismatch", action="store_true",
+                   help="resume even if the data, tokenizer, seq_len or seed differ from the checkpoint's (warns)")
     p.set_defaults(func=_train)
 
     p = sub.add_parser("distill", help="write a model's own continuations of corpus prompts (JSONL) to train a draft on")
@@ -393,12 +404,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand. A user error - a bad recipe, flag, checkpoint, launch - is one line on
+    stderr (`baton CMD: error: ...`) and exit code 2; anything else keeps its traceback (exit 1), since
+    one line would hide where a bug or an environment failure came from.
+
+    What is a user error (baton.common.errors): a UserError (ConfigError is one) always; a plain
+    ValueError or FileNotFoundError only while the command is still checking what it was asked. A
+    command marks the end of its checks with begin_work() - `baton train` does, once the recipe,
+    the launch, the resume and the data are checked - and from then on those propagate with their
+    traceback. Commands that never call it (generate, serve, convert, ...) keep every ValueError a
+    one-line error. `baton --debug CMD` prints the traceback of user errors too.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    errors.reset()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # config/checkpoint errors: say what, not a traceback
+    except (ValueError, FileNotFoundError) as e:
+        if not errors.is_user_error(e):
+            raise  # a failure during the work: the traceback says where
+        if args.debug:
+            traceback.print_exc()
         print(f"baton {args.command}: error: {e}", file=sys.stderr)
         return 2
 

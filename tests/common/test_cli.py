@@ -68,3 +68,9 @@ def test_bench_lists_runs_and_refuses_unknown_benchmarks():
     assert "serve_engine.py" in usage and "--quick" in usage
     proc = baton("bench", "no_such_bench", check=False)
     assert proc.returncode == 2 and "unknown benchmark 'no_such_bench'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_debug_prints_the_traceback_of_a_user_error_too(tmp_path):
+    proc = baton("--debug", "train", "--config", str(tmp_path / "missing.yaml"), check=False)
+    assert proc.returncode == 2 and "Traceback" in proc.stderr
+    assert f"baton train: error: training config {tmp_path / 'missing.yaml'} does not exist" in proc.stderr

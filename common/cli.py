@@ -86,11 +86,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
-    from baton.train.distill import write_distillation_corpus
+    from baton.common.data import DataConfig
+    from baton.serve.distill import DistillConfig, write_distillation_corpus
 
-    out = write_distillation_corpus(args.model, args.out, args.data, args.samples, args.seq_len, args.temperature,
-                                    args.seed)
-    print(f"Wrote {args.samples} continuations by {args.model} to {out} (train a draft on it: data.path={out})")
+    cfg = DistillConfig(DataConfig(path=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction),
+                        samples=args.samples, temperature=args.temperature, seed=args.seed)
+    out = write_distillation_corpus(args.model, args.out, cfg)
+    print(f"Wrote {args.samples} continuations by {args.model} to {out} "
+          f"(train a draft or Medusa heads on it: data.path={out})")
     return 0
 
 
@@ -179,8 +182,13 @@ def _query(args: argparse.Namespace) -> int:
 def _calibration(args: argparse.Namespace):
     from baton.serve.quantization.calibration import CalibrationConfig
 
-    return CalibrationConfig(data=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction,
-                             num_samples=args.calib_samples, sample_seed=args.seed)
+    return CalibrationConfig(_corpus(args), num_samples=args.calib_samples, sample_seed=args.seed)
+
+
+def _corpus(args: argparse.Namespace):
+    from baton.common.data import DataConfig
+
+    return DataConfig(path=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction)
 
 
 def _quantize(args: argparse.Namespace) -> int:
@@ -206,7 +214,7 @@ def _prune(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     from baton.serve.eval import EvalConfig, evaluate_checkpoint
 
-    cfg = EvalConfig(data=args.data, seq_len=args.seq_len, val_fraction=args.val_fraction, window=args.window,
+    cfg = EvalConfig(_corpus(args), window=args.window,
                      stride=args.stride, max_tokens=args.max_tokens)
     result = evaluate_checkpoint(args.model, cfg, args.reference)
     text = json.dumps(result.to_dict(), indent=2)
@@ -258,12 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume even if the data, tokenizer, seq_len or seed differ from the checkpoint's (warns)")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("distill", help="write a model's own continuations of corpus prompts (JSONL) to train a draft on")
+    p = sub.add_parser("distill", help="a model's own continuations (JSONL) to train a draft or Medusa heads on")
     p.add_argument("--model", required=True, help="the target checkpoint directory")
     p.add_argument("--out", required=True, help="the JSONL file to write")
     p.add_argument("--data", default=None, help="where prompts come from (default: the embedded corpus)")
     p.add_argument("--samples", type=int, default=2048, help="continuations to write")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per prompt + continuation")
+    p.add_argument("--seq-len", type=int, default=128, help="a line's tokens: seq_len + 1 (prompt + continuation)")
+    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out blocks of --data, never prompts")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = the model's greedy continuations")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_distill)

@@ -222,3 +222,37 @@ def char_model_checkpoint(tmp_path: Path, name: str = "base"):
                                     num_attention_heads=4, max_position_embeddings=128), seed=0)
     save_model(tmp_path / name, model, tokenizer=tok)
     return corpus, tok, model
+
+
+# ---------------------------------------------------------------- DeepSpeed's async_io op (NVMe offload)
+BUILD_OP = """
+import json, sys, time
+from deepspeed.accelerator import get_accelerator
+from baton.train.backends.deepspeed import prepare_ops
+from baton.train.config import config_from_dict
+
+builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+if builder is None or not builder.is_compatible(verbose=True):  # verbose: the builder says what is missing
+    sys.exit("DeepSpeed's async_io op cannot be built on this machine (it needs libaio: apt-get install libaio-dev): "
+             + str(getattr(builder, "error_log", None) or "see the builder's warnings above"))
+t0 = time.perf_counter()
+prepare_ops(config_from_dict(json.loads(sys.argv[1]), sys.argv[2:]))  # as the trainer does: locked, stale lock removed
+print(f"async_io op ready in {time.perf_counter() - t0:.1f}s")
+"""
+
+
+@pytest.fixture(scope="session")
+def async_io_op() -> Path:
+    """Build DeepSpeed's async_io op (NVMe offload) the way every trainer process loads it, once per
+    machine: into Baton's own cache (the trainer's default, kept across clones and fresh venvs; a
+    TORCH_EXTENSIONS_DIR already set wins), exported before anything builds so the runs share it.
+    A machine that cannot build it fails the tests that need it, with the builder's own error."""
+    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions")))
+    nvme = ["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme", "deepspeed.cpu_adam=false",
+            f"deepspeed.nvme_path={root}"]
+    proc = subprocess.run([sys.executable, "-c", BUILD_OP, json.dumps(TINY), *nvme], env=environment(1),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1500)
+    if proc.returncode != 0:
+        pytest.fail(f"building DeepSpeed's async_io op failed ({proc.returncode}):\n{proc.stdout[-8000:]}",
+                    pytrace=False)
+    return root

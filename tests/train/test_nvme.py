@@ -1,16 +1,27 @@
 """ZeRO-3 with optimizer state and parameters swapped to NVMe (a local folder): the same numbers
 as CPU offload, a SIGKILLed run resumes exactly, and a checkpoint resumes at another world size.
 DeepSpeed's own files lack the swapped state and its load_checkpoint skips the optimizer state
-under NVMe offload; Baton writes and restores that state itself (backends/deepspeed.py)."""
+under NVMe offload; Baton writes and restores that state itself (backends/deepspeed.py).
+
+These run everywhere, CI included: they build DeepSpeed's async_io op first (conftest.async_io_op,
+once per machine; it needs libaio, which .ci/run installs) and fail, never skip, where it cannot be.
+"""
 
 import pytest
 import torch
 
-from .conftest import CKPT_STEP, MODES, NVME, STEPS, final_state, losses, max_rel_diff, run, run_and_kill, train_args
+from .conftest import (CKPT_STEP, MODES, NVME_MODES, STEPS, final_state, losses, max_rel_diff, run, run_and_kill,
+                       train_args)
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not NVME, reason="NVMe offload needs libaio (apt-get install libaio-dev) and DeepSpeed's async_io op, whose "
-                     "6+ minute build does not fit the suite's time budget: build it once or set BATON_TEST_NVME=1")]
+# The first test's set-up may include the op's one-time build (about 4 minutes on 2 idle cores) and
+# the world-size-2 reference runs: more than the suite's per-test limit.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.usefixtures("nvme_modes")]
+
+
+@pytest.fixture(scope="module")
+def nvme_modes(async_io_op) -> None:
+    """The NVMe reference modes join the shared reference runs only once the op is there."""
+    MODES.update(NVME_MODES)
 
 
 def test_nvme_offload_swaps_and_computes_what_cpu_offload_does(runs):
@@ -39,10 +50,21 @@ def test_killed_nvme_run_resumes_to_the_same_weights(runs, tmp_path):
 
 
 def test_nvme_checkpoint_resumes_at_another_world_size(runs, tmp_path):
-    reference = runs.get("z3-nvme-2")
-    out = tmp_path / "run"
-    overrides = [*MODES["z3-nvme-2"][1], f"checkpoint.resume={reference / 'checkpoints' / f'step_{CKPT_STEP:08d}'}"]
-    run(1, train_args(runs.recipe, out, overrides), tmp_path / "resumed.log")
-    got, want = final_state(out), final_state(reference)
+    """Resumed at world size 1, an NVMe checkpoint computes exactly what the CPU-offload one does when
+    resumed the same way (through the universal form). Neither follows the 2-rank reference exactly:
+    at another world size ZeRO-3 sums gradients in another order, and this 0.8M model drifts from it
+    by ~5e-3 (weights) by step 20, CPU offload alike: only a loose bound holds there."""
+    outs = {}
+    for mode in ("z3-nvme-2", "z3-cpu-wider-2"):
+        ckpt = runs.get(mode) / "checkpoints" / f"step_{CKPT_STEP:08d}"
+        outs[mode] = tmp_path / mode
+        run(1, train_args(runs.recipe, outs[mode], [*MODES[mode][1], f"checkpoint.resume={ckpt}"]),
+            tmp_path / f"{mode}.log")
+    got, cpu = final_state(outs["z3-nvme-2"]), final_state(outs["z3-cpu-wider-2"])
     for key in ("weights", "exp_avg", "exp_avg_sq"):
-        assert max_rel_diff(getattr(got, key), getattr(want, key)) < 1e-5, key
+        assert all(torch.equal(getattr(got, key)[k], getattr(cpu, key)[k]) for k in cpu.weights), key
+    assert losses(outs["z3-nvme-2"]) == losses(outs["z3-cpu-wider-2"])
+    reference = runs.get("z3-nvme-2")
+    assert max_rel_diff(got.weights, final_state(reference).weights) < 2e-2
+    resumed_first, reference_first = losses(outs["z3-nvme-2"])[0], losses(reference)[CKPT_STEP]
+    assert abs(resumed_first - reference_first) <= 1e-6 * abs(reference_first)  # the weights came back exact

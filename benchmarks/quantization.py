@@ -293,7 +293,7 @@ def main() -> None:
                "speed_params": ModelConfig(**SPEED_MODEL).num_parameters()}
     demo = args.demo
     if demo is None and {"quality", "kv_cache", "pruning"} & set(sections):
-        from baton.train.demo import run_demo
+        from baton.serve.demo import run_demo
 
         run_demo(work / "demo")
         demo = work / "demo" / "handoff"

@@ -1,12 +1,15 @@
 """The README's main job on the embedded default: train -> hand off -> serve -> query.
 
-Trains the demo recipe, starts `baton serve` on the handoff checkpoint as a separate process on
-a free loopback port, queries it over gRPC with Baton's client, checks the answers against the
-offline engine, and shuts the server down gracefully.
+Runs `baton train` on the demo recipe (through the CLI's command table: the serving side never
+imports the trainer), starts `baton serve` on the handoff checkpoint as a separate process on a
+free loopback port, queries it over gRPC with Baton's client, checks the answers against the
+offline engine, and shuts the server down gracefully. It lives in serve/ because its last steps
+are serving ones.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import signal
@@ -16,8 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from baton.train.config import load_config
-from baton.train.trainer import train
+from baton.common.cli import main as baton
+from baton.serve.client import BatonClient
+from baton.serve.llm import LLM
+from baton.serve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -73,24 +78,32 @@ def wait_until_serving(client, timeout_s: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None) -> list[str]:
-    from baton.serve.client import BatonClient
-    from baton.serve.llm import LLM
-    from baton.serve.sampling_params import SamplingParams
+def last_metrics(out_dir: Path) -> dict:
+    """The run's last train loss, val loss and tokens/s, from its metrics.jsonl."""
+    last: dict = {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        last.update({k: v for k, v in json.loads(line).items() if v is not None})
+    return last
 
+
+def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None) -> list[str]:
     overrides = [f"out_dir={out_dir}", "checkpoint.resume=never"]  # the demo always trains from scratch
     if steps is not None:
         overrides.append(f"max_steps={steps}")
     if corpus is not None:
         overrides.append(f"data.path={corpus}")
-    cfg = load_config(DEMO_CONFIG, overrides)
-    print(f"[1/4] training a {cfg.model.get('preset', 'custom')} model for {cfg.max_steps} steps "
-          f"on {cfg.data.path or 'the embedded Python-docstring corpus'}")
-    result = train(cfg)
-    print(f"      train loss {result.final_train_loss:.3f}, val loss {result.final_val_loss:.3f}, "
-          f"{result.tokens_per_second:,.0f} tokens/s")
-    print(f"[2/4] handed off to {result.handoff_dir}")
-    server = ServerProcess(result.handoff_dir)
+    length = f"{steps} steps" if steps is not None else "the recipe's steps"
+    print(f"[1/4] training the demo model (configs/{DEMO_CONFIG.name}) for {length} "
+          f"on {corpus or 'the embedded Python-docstring corpus'}")
+    code = baton(["train", "--config", str(DEMO_CONFIG), *overrides])
+    if code != 0:
+        raise SystemExit(code)  # baton train said why
+    m = last_metrics(out_dir)
+    print(f"      train loss {m['loss']:.3f}, val loss {m.get('val_loss', float('nan')):.3f}, "
+          f"{m['tokens_per_s']:,.0f} tokens/s")
+    handoff = out_dir / "handoff"
+    print(f"[2/4] handed off to {handoff}")
+    server = ServerProcess(handoff)
     print(f"[3/4] serving it with `baton serve` on 127.0.0.1:{server.port}")
     outputs = []
     try:
@@ -105,7 +118,7 @@ def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None)
         code = server.stop()
     if code != 0:
         raise RuntimeError(f"baton serve exited with {code}:\n" + "".join(server.lines[-20:]))
-    offline = LLM(result.handoff_dir).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    offline = LLM(handoff).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     if [p + o.outputs[0].text for p, o in zip(PROMPTS, offline)] != outputs:
         raise RuntimeError("the server's answers differ from the offline engine's")
     print("      the server's answers equal the offline engine's; server shut down cleanly")

@@ -1,0 +1,81 @@
+"""`baton serve`/`generate` reach every engine option: one flag per field of EngineConfig,
+SchedulerConfig and SpeculativeConfig (derived, or hand-written with a better name), and the value
+given on the command line is the value the server's config holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+import baton.serve.server as server_module
+from baton.common.cli import build_parser, main
+from baton.common.flags import _scalar_type
+from baton.serve.engine import EngineConfig
+from baton.serve.scheduler import SchedulerConfig
+from baton.serve.speculative import SpeculativeConfig
+
+HAND = {"kv_cache_bytes": "--kv-cache-mb", "method": "--speculative"}  # fields whose flag has another unit/name
+
+
+def _sample(typ: type, default):
+    """A value unlike the default, of the field's type."""
+    if typ is bool:
+        return not default
+    if typ is int:
+        return (default or 0) + 3
+    if typ is float:
+        return (default or 0.0) + 0.25
+    return {"preemption_mode": "swap", "policy": "priority", "kv_cache_dtype": "int8"}.get(typ, "x")
+
+
+@pytest.fixture
+def served(monkeypatch):
+    seen = []
+    monkeypatch.setattr(server_module, "run", lambda config: seen.append(config) or 0)
+    return seen
+
+
+def test_every_engine_field_has_a_serve_flag():
+    options = {s for a in build_parser("serve")._subparsers._group_actions[0].choices["serve"]._actions
+               for s in a.option_strings}
+    for cls, prefix in ((EngineConfig, ""), (SchedulerConfig, ""), (SpeculativeConfig, "speculative-")):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if _scalar_type(hints[f.name]) is None:
+                continue
+            names = {HAND.get(f.name), "--" + f.name.replace("_", "-"), "--" + prefix + f.name.replace("_", "-")}
+            assert names & options, f"{cls.__name__}.{f.name} has no baton serve flag"
+
+
+def test_derived_flags_reach_the_config(served, tmp_path):
+    argv = ["serve", "--model", str(tmp_path), "--max-num-batched-tokens", "96", "--no-enable-chunked-prefill",
+            "--preemption-mode", "swap", "--no-enable-prefix-caching", "--streaming-sink-tokens", "4",
+            "--streaming-window-tokens", "64", "--swap-space-bytes", "1024", "--kv-cache-mb", "8"]
+    assert main(argv) == 0
+    e = served[0].engine
+    assert (e.scheduler.max_num_batched_tokens, e.scheduler.enable_chunked_prefill, e.scheduler.preemption_mode) \
+        == (96, False, "swap")
+    assert (e.enable_prefix_caching, e.streaming_sink_tokens, e.streaming_window_tokens, e.swap_space_bytes) \
+        == (False, 4, 64, 1024)
+    assert e.kv_cache_bytes == 8 * 2**20 and e.speculative is None
+    assert main(["serve", "--model", str(tmp_path), "--speculative", "ngram", "--speculative-tree-width", "3",
+                 "--num-speculative-tokens", "5", "--speculative-adaptive", "--speculative-ngram-max", "6"]) == 0
+    s = served[1].engine.speculative
+    assert (s.method, s.tree_width, s.num_speculative_tokens, s.adaptive, s.ngram_max) == ("ngram", 3, 5, True, 6)
+
+
+def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
+    assert main(["serve", "--model", str(tmp_path)]) == 0
+    e = served[0].engine
+    assert e.scheduler == SchedulerConfig()
+    defaults = EngineConfig()
+    for name in ("block_size", "kv_cache_fraction", "swap_space_bytes", "enable_prefix_caching", "max_model_len",
+                 "streaming_sink_tokens", "streaming_window_tokens", "kv_cache_dtype", "num_kv_blocks"):
+        assert getattr(e, name) == getattr(defaults, name), name
+
+
+def test_a_bad_engine_setting_fails_before_serving(served, tmp_path, capsys):
+    assert main(["serve", "--model", str(tmp_path), "--preemption-mode", "evict"]) == 2
+    assert "preemption_mode" in capsys.readouterr().err and not served

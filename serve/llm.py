@@ -1,4 +1,7 @@
-"""The offline API: LLM(model_dir).generate(prompts, SamplingParams(...)), as in vLLM."""
+"""The offline API: LLM(model_dir).generate(prompts, SamplingParams(...)), as in vLLM.
+
+A prompt is text, a list of token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]}.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +15,18 @@ from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.outputs import RequestOutput
 from baton.serve.sampling_params import SamplingParams
 
+Prompt = str | list[int] | dict[str, list[int]]
+
+
+def prompt_of(prompt: Prompt) -> str | list[int]:
+    """Text or token ids; a dict must be vLLM's TokensPrompt (other vLLM prompt kinds are not supported)."""
+    if not isinstance(prompt, dict):
+        return prompt
+    if set(prompt) != {"prompt_token_ids"}:
+        raise ValueError(f"a prompt dict takes exactly one key, 'prompt_token_ids' (vLLM's TokensPrompt); "
+                         f"got {sorted(prompt)}: pass text as a str")
+    return list(prompt["prompt_token_ids"])
+
 
 class LLM:
     def __init__(self, model: str | Path, config: EngineConfig | None = None, device: str = "cpu",
@@ -19,12 +34,13 @@ class LLM:
         self.engine = LLMEngine.from_checkpoint(model, config, device=device, dtype=dtype)
         self._ids = itertools.count()
 
-    def generate(self, prompts: str | list[str] | list[list[int]],
+    def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (all validated before any is scheduled); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        prompts = [prompt_of(p) for p in prompts]
         params = sampling_params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):

@@ -1,0 +1,38 @@
+"""The offline API as vLLM spells it: `from baton.serve import LLM, SamplingParams`, and prompts
+given as text, token ids or vLLM's {"prompt_token_ids": [...]}."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def test_import_from_the_package_is_lazy():
+    code = ("import sys, baton.serve; assert 'torch' not in sys.modules, 'import baton.serve loaded torch'\n"
+            "from baton.serve import LLM, SamplingParams\n"
+            "from baton.serve.llm import LLM as L; from baton.serve.sampling_params import SamplingParams as S\n"
+            "assert (LLM, SamplingParams) == (L, S)\n"
+            "try:\n    from baton.serve import Nothing\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_token_prompts_as_vllm_writes_them(llama_dir):
+    from baton.serve import LLM, SamplingParams
+    from baton.serve.engine import EngineConfig
+
+    llm = LLM(llama_dir, EngineConfig(num_kv_blocks=64, block_size=8))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [llm.engine.tokenizer.encode(t) for t in ("The quick brown fox", "def f(x):")]
+    want = [o.outputs[0].token_ids for o in llm.generate(ids, params)]
+    one = llm.generate({"prompt_token_ids": ids[0]}, params)
+    assert [o.outputs[0].token_ids for o in one] == want[:1] and one[0].prompt_token_ids == ids[0]
+    many = llm.generate([{"prompt_token_ids": i} for i in ids], params)
+    assert [o.outputs[0].token_ids for o in many] == want
+    mixed = llm.generate(["The quick brown fox", {"prompt_token_ids": ids[1]}], params)
+    assert [o.outputs[0].token_ids for o in mixed] == want
+    for bad in ({"prompt": "The fox"}, {"prompt_token_ids": ids[0], "multi_modal_data": {}}, {}):
+        with pytest.raises(ValueError, match="'prompt_token_ids'"):
+            llm.generate([ids[0], bad], params)
+    assert not llm.engine.has_unfinished_requests(), "a bad prompt is refused before any is scheduled"

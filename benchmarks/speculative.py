@@ -97,9 +97,9 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
                     latencies.append((time.perf_counter() - t) / max_tokens)
                     tokens += len(out.outputs[0].token_ids)
         wall += time.perf_counter() - t
-    s = engine.spec_stats
+    s = engine.stats()
     return {"tokens_per_s": tokens / wall, "ms_per_token": 1e3 * sum(latencies) / len(latencies),
-            "acceptance_rate": s.acceptance_rate, "mean_accepted_length": s.mean_accepted_length}
+            "acceptance_rate": s.spec_acceptance_rate, "mean_accepted_length": s.spec_mean_accepted_length}
 
 
 REPEATS = 3

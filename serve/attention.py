@@ -26,7 +26,8 @@ from baton.serve.quantization.kv_cache import write_and_read
 
 @dataclass
 class TreeGroup:
-    """One sequence's speculative token tree, verified in one pass (SpecInfer / Medusa)."""
+    """One sequence's speculative token tree, verified in one pass (SpecInfer / Medusa). The model
+    runner builds it with serve/speculative/tree.py; the decoder (serve/speculative/decoder.py) reads the result."""
 
     row: int  # first row (the last real token, the root) in the packed batch
     size: int  # root + proposals

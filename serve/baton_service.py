@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from contextlib import aclosing
@@ -16,6 +17,7 @@ from baton.serve.outputs import RequestOutput
 from baton.serve.request_params import from_proto
 from baton.serve.rpc import RpcError, invalid, parse, service_handler
 from baton.serve.runtime import VERSION, Runtime
+from baton.serve.stats import EngineStats
 
 GenerateRequest, GenerateResponse = proto.baton("GenerateRequest"), proto.baton("GenerateResponse")
 
@@ -71,7 +73,7 @@ class BatonService:
                 yield generate_response(last, delta=False)
 
     def _tokenizer(self):
-        tok = self.rt.llm.tokenizer
+        tok = self.rt.core.tokenizer
         if tok is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: use token ids")
         return tok
@@ -84,7 +86,7 @@ class BatonService:
     async def detokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.baton("DetokenizeRequest"), data)
         self.rt.check_model(req.model)
-        vocab = self.rt.llm.vocab_size
+        vocab = self.rt.core.vocab_size
         bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid(f"token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
@@ -94,23 +96,28 @@ class BatonService:
     async def model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.baton("ModelInfoRequest"), data)
         self.rt.check_model(req.model)
-        llm = self.rt.llm
-        cfg = llm.model.config
-        weight = next(llm.model.parameters())
-        spec = llm.config.speculative
+        core = self.rt.core
+        cfg = core.model.config
+        weight = next(core.model.parameters())
+        spec = core.config.speculative
         spec_mode = "none" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}" + (
             f" tree_width={spec.tree_width}" if spec.tree_width > 1 else "")
         return proto.baton("ModelInfoResponse")(
             name=self.rt.model_name, architecture=cfg.model_type or cfg.infer_model_type(),
-            config_json=json.dumps(cfg.to_dict(), sort_keys=True), max_context=llm.max_model_len,
+            config_json=json.dumps(cfg.to_dict(), sort_keys=True), max_context=core.max_model_len,
             dtype=str(weight.dtype).removeprefix("torch."), quantization=self.rt.quantization,
             speculative_mode=spec_mode,
-            vocab_size=llm.vocab_size, kv_block_size=llm.config.block_size,
-            kv_blocks=llm.block_manager.num_blocks, device=str(weight.device))
+            vocab_size=core.vocab_size, kv_block_size=core.config.block_size,
+            kv_blocks=core.block_manager.num_blocks, device=str(weight.device))
 
     async def server_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         parse(proto.baton("ServerInfoRequest"), data)
-        numbers = await asyncio.to_thread(self.rt.engine_numbers)  # waits for the engine lock: off the loop
-        return proto.baton("ServerInfoResponse")(version=VERSION, uptime_s=time.monotonic() - self.rt.started,
-                                                 state=self.rt.state, failure_reason=self.rt.failure_reason or "",
-                                                 **(numbers or {}))
+        stats = await asyncio.to_thread(self.rt.engine_stats)  # waits for the engine lock: off the loop
+        return proto.baton("ServerInfoResponse")(**server_info_fields(self.rt, stats))
+
+
+def server_info_fields(rt: Runtime, stats: EngineStats | None) -> dict:
+    """ServerInfoResponse's fields: the server's own, then the engine's by name (none while loading)."""
+    own = dict(version=VERSION, uptime_s=time.monotonic() - rt.started, state=rt.state,
+               failure_reason=rt.failure_reason or "")
+    return own if stats is None else {**own, **dataclasses.asdict(stats)}

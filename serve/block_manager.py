@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.serve.sequence import Sequence
 
@@ -22,6 +22,16 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None  # set while the block is registered in the prefix cache
+
+
+@dataclass
+class BlockOps:
+    """KV work a step needs before its forward, in the order the model runner applies it."""
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    rerotations: list[tuple[list[int], int]] = field(default_factory=list)  # StreamingLLM: (blocks, shift left)
 
 
 def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -222,8 +232,9 @@ class BlockManager:
         self.host_free.extend(seq.host_block_table)
         seq.host_block_table = []
 
-    def take_pending(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
-        out = (self.pending_swap_out, self.pending_swap_in, self.pending_copies)
+    def take_pending(self) -> BlockOps:
+        """The swaps and copies queued since the last call (no rerotations: those are the eviction policy's)."""
+        out = BlockOps(self.pending_swap_out, self.pending_swap_in, self.pending_copies)
         self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
         return out
 

@@ -1,7 +1,9 @@
 """LLMEngine: requests in, one scheduled model step at a time, outputs out (vLLM's shape).
 
-step() = schedule (continuous batching) -> run the model on the packed batch -> sample ->
-append tokens, detokenize, check stop conditions -> retire finished sequences (freeing blocks).
+step() = schedule (continuous batching; serve/scheduler.py) -> execute the packed batch
+(serve/model_runner.py) -> postprocess: book the computed KV, verify speculative proposals
+(serve/speculative/), sample, append tokens, detokenize, check stop conditions -> retire finished
+sequences (freeing blocks).
 
 A request can fail only itself. A raise in one sequence's work (proposal, sampling, appending,
 detokenizing, stop checks, verification, output building) retires that request through the
@@ -16,6 +18,7 @@ the scheduler still makes no progress, the request at the head of the queue fail
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -30,16 +33,19 @@ from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
-from baton.serve.model_runner import ModelRunner, kv_block_bytes
+from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
 from baton.serve.request_state import RequestState
-from baton.serve.sampler import SampleResult, logprobs_of, sample, target_distribution
+from baton.serve.sampler import SampleResult, sample
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, clear_speculation
+from baton.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from baton.serve.sequence import Sequence, SequenceStatus
-from baton.serve.speculative import AdaptiveK, SpecStats, SpeculativeConfig, chain_parents, choose, make_proposer
+from baton.serve.speculative import SpecStats, SpeculativeConfig
+from baton.serve.speculative.decoder import SpeculativeDecoder
+from baton.serve.speculative.proposers import make_proposer
+from baton.serve.stats import EngineStats
 from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
 
 log = logging.getLogger(__name__)
@@ -93,18 +99,16 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.num_generated_tokens = 0
         self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
         self._failed: list[RequestState] = []  # failed during the current step, which reports them
-        self.spec_config = config.speculative
-        self.spec_stats = SpecStats()
-        self.proposer = None
-        if self.spec_config is not None:
+        self.speculative: SpeculativeDecoder | None = None
+        if config.speculative is not None:
             if config.streaming:
                 raise ValueError("speculative decoding and StreamingLLM cannot be combined")
-            self.proposer = make_proposer(self.spec_config, model_dir, mcfg.vocab_size, p.device, p.dtype)
-        self.adaptive_k = AdaptiveK(self.spec_config.num_speculative_tokens if self.spec_config else 0,
-                                    bool(self.spec_config and self.spec_config.adaptive))
+            proposer = make_proposer(config.speculative, model_dir, mcfg.vocab_size, p.device, p.dtype)
+            self.speculative = SpeculativeDecoder(config.speculative, proposer, self.runner, self.block_manager,
+                                                  self.max_model_len)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
                  num_blocks, config.block_size, num_blocks * block_bytes / 2**20, num_host,
                  "on" if prefix_caching else "off",
@@ -188,10 +192,9 @@ class LLMEngine:
         return req.output(final=True)
 
     def _retire(self, seq: Sequence, reason: str) -> None:
-        """Out of the scheduler (its blocks go back) and out of the proposer."""
-        if self.proposer is not None:
-            self.proposer.release(seq)
-            self.adaptive_k.forget(seq)
+        """Out of the scheduler (its blocks go back) and out of speculation."""
+        if self.speculative is not None:
+            self.speculative.release(seq)
         if not seq.is_finished:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
@@ -199,35 +202,46 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def stats(self) -> EngineStats:
+        """Queue, batch, KV and token numbers now (AsyncLLMEngine.snapshot reads them under its lock)."""
+        bm, sched = self.block_manager, self.scheduler
+        spec = self.speculative.stats if self.speculative is not None else SpecStats()
+        return EngineStats(
+            engine_requests=len(self.requests), waiting_seqs=len(sched.waiting), running_seqs=len(sched.running),
+            swapped_seqs=len(sched.swapped), kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sched.num_preemptions,
+            prompt_tokens=sched.num_computed_prompt_tokens, generation_tokens=self.num_generated_tokens,
+            spec_proposed_tokens=spec.proposed, spec_accepted_tokens=spec.accepted,
+            spec_acceptance_rate=spec.acceptance_rate, spec_mean_accepted_length=spec.mean_accepted_length)
+
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
-        """schedule -> forward -> postprocess; a failure is contained as the module docstring says."""
-        if self.proposer is not None:
-            self._propose()
+        """schedule -> execute -> postprocess; a failure is contained as the module docstring says."""
+        if self.speculative is not None:
+            self.speculative.propose(self.scheduler.running, self.fault_injector, self._fail_seq)
         sched = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
                 self._fail_unschedulable()
-        elif (result := self._forward(sched)) is not None:
-            self._postprocess(sched, *result, touched)
+        elif (result := self._execute(sched)) is not None:
+            self.scheduler.postprocess(sched, self._fail_seq)
+            touched = self._append_tokens(result)
         return self._outputs(touched)
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, list, torch.Tensor | None] | None:
-        """Block ops, then the batched model step: (logits, groups, hidden), or None when it raised
-        (then the requests in the batch have failed)."""
-        rerot = self.eviction.pending_rerotations if isinstance(self.eviction, StreamingLLMPolicy) else []
-        ops, rotations, applied = self.block_manager.take_pending(), list(rerot), False
-        rerot.clear()
+    def _execute(self, sched: SchedulerOutput) -> ExecuteResult | None:
+        """The step's block ops, then the batched forward; None when either raised (then the
+        requests in the batch have failed)."""
         positions_in_cache = bool(self.eviction and self.eviction.positions_in_cache)
-        want_hidden = getattr(self.proposer, "wants_hidden", False)
+        want_hidden = self.speculative is not None and self.speculative.wants_hidden
+        applied = False
         try:
-            self.runner.apply_block_ops(*ops, rerotations=rotations)
+            self.runner.apply_block_ops(sched.block_ops)
             applied = True
             if self.fault_injector is not None:
                 for seq, _ in sched.scheduled:
                     self.fault_injector("forward", seq)
-            result = self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
+            return self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
         except Exception as e:
             hit = [seq for seq, _ in sched.scheduled]
             if not applied:  # a sequence swapped out this step may not have reached the host pool
@@ -235,37 +249,26 @@ class LLMEngine:
             for rid in dict.fromkeys(seq.request_id for seq in hit):
                 self._fail(self.requests[rid], "forward" if applied else "block copies", e)
             return None
-        return result[0], result[1], result[2] if want_hidden else None
 
-    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor, groups: list,
-                     hidden: torch.Tensor | None, touched: dict[str, RequestState]) -> None:
-        """Advance each sequence, verify or fork, sample, append; a raise fails that request only."""
-        self.stats["steps"] += 1
-        for seq, n in sched.scheduled:
-            if not seq.spec_token_ids:  # speculative steps advance in _verify, by what is accepted
-                seq.num_computed_tokens += n
-                if seq.num_computed_tokens <= seq.num_prompt_tokens:
-                    self.stats["prompt_tokens"] += n
-                try:
-                    self.block_manager.register_full_blocks(seq)
-                except Exception as e:
-                    self._fail_seq(seq, "postprocess", e)
+    def _append_tokens(self, result: ExecuteResult) -> dict[str, RequestState]:
+        """Verify or fork, sample, append each sampled sequence's tokens; a raise fails that request
+        only. Returns the requests touched."""
+        logits, hidden, spec = result.logits, result.hidden, self.speculative
         now = time.monotonic()
+        touched: dict[str, RequestState] = {}
         rows, targets, row = [], [], 0
-        for seq, nrows in groups:
+        for seq, nrows in result.groups:
             req = touched[seq.request_id] = self.requests[seq.request_id]
             try:  # (a finished sequence's request failed with another of its samples)
                 if seq.spec_token_ids and not seq.is_finished:
-                    last = self._verify(req, seq, logits[row:row + nrows], now)
-                    if hidden is not None and not seq.is_finished:
-                        self.proposer.observe(seq, hidden[row + last])
+                    spec.verify(seq, logits[row:row + nrows], None if hidden is None else hidden[row:row + nrows],
+                                functools.partial(self._append, req, seq, now=now))
                 elif not seq.is_finished:
                     group = [seq]
                     if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
                         group += self._fork(req, seq)
                     if hidden is not None:
-                        for s in group:
-                            self.proposer.observe(s, hidden[row])
+                        spec.observe(group, hidden[row])
                     rows += [row] * len(group)
                     targets += group
             except Exception as e:
@@ -279,6 +282,7 @@ class LLMEngine:
                     self._append(self.requests[seq.request_id], seq, res, now)
                 except Exception as e:
                     self._fail(self.requests[seq.request_id], "postprocess", e)
+        return touched
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """One output per request touched or failed this step; finished requests leave the engine."""
@@ -328,58 +332,7 @@ class LLMEngine:
             f"the scheduler made no progress: the KV cache ({self.block_manager.num_blocks} blocks, "
             f"{self.block_manager.num_free_blocks} free) cannot hold this request's next step"))
 
-    # ------------------------------------------------------------------------------ speculation
-    def _propose(self) -> None:
-        decoding = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
-        limit = self.spec_config.disable_above_batch
-        if not decoding or (limit is not None and len(self.scheduler.running) > limit):
-            return
-        budget = self.max_model_len - 1
-        ks = {s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1,
-                            budget - s.num_tokens) for s in decoding}
-        ready = [s for s in decoding if ks[s.seq_id] > 0]
-        if ready:
-            propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
-            per_sequence("propose", ready, propose, self.fault_injector, self._fail_seq)
-
-    def _verify(self, req: RequestState, seq: Sequence, logits: torch.Tensor, now: float) -> int:
-        """Accept the longest verified path of the proposal chain/tree; returns the row whose
-        logits gave the last token (Medusa reads its hidden state)."""
-        proposals = seq.spec_token_ids
-        parents = seq.spec_parents if seq.spec_parents is not None else chain_parents(len(proposals))
-        draft_probs = seq.spec_draft_probs
-        clear_speculation(seq)
-        children: dict[int, list[int]] = {}
-        for i, parent in enumerate(parents):
-            children.setdefault(parent, []).append(i)
-        logits = logits.float().cpu()
-        root_slot_index = seq.num_computed_tokens - seq.num_evicted_tokens
-        seq.num_computed_tokens += 1  # the last real token's K/V is now cached
-        node, path = -1, []
-        while True:
-            kids = children.get(node, [])
-            p = target_distribution(logits[node + 1], seq)
-            q = draft_probs[kids] if draft_probs is not None and kids else None
-            token, idx = choose(p, [proposals[i] for i in kids], q, seq.generator, seq.params.greedy)
-            self._append(req, seq, SampleResult(token, logprobs_of(logits[node + 1], token, seq.params.logprobs)), now)
-            if idx < 0 or seq.is_finished:
-                break
-            node = kids[idx]
-            path.append(node)
-            seq.num_computed_tokens += 1  # the accepted proposal's K/V is valid
-        self.spec_stats.steps += 1
-        self.spec_stats.proposed += len(proposals)
-        self.spec_stats.accepted += len(path)
-        self.adaptive_k.update(seq, len(proposals), len(path))
-        if not seq.is_finished:
-            bs = self.block_manager.block_size
-            slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731
-            moves = [(root_slot_index + 1 + n, root_slot_index + 1 + d) for d, n in enumerate(path) if n != d]
-            self.runner.move_slots([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
-            self.block_manager.trim(seq)
-            self.block_manager.register_full_blocks(seq)
-        return node + 1
-
+    # ------------------------------------------------------------------------------ tokens
     def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
         """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
         children = []
@@ -399,12 +352,12 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _append(self, req: RequestState, seq: Sequence, result, now: float) -> None:
+    def _append(self, req: RequestState, seq: Sequence, result: SampleResult, now: float) -> None:
         if self.fault_injector is not None:
             self.fault_injector("postprocess", seq)
         token = result.token_id
         seq.token_ids.append(token)
-        self.stats["generation_tokens"] += 1
+        self.num_generated_tokens += 1
         if result.logprobs is not None:
             seq.logprobs.append(result.logprobs)
         if seq.metrics.first_token_time is None:

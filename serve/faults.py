@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # token, detokenizing, stop checks, speculative verification.
 POINTS = ("propose", "forward", "sample", "postprocess")
 FaultInjector = Callable[[str, Sequence], None]
+SequenceFailure = Callable[[Sequence, str, Exception], None]  # fail(seq, phase, exc): fails its request
 ENV = "BATON_FAULT_INJECT"
 
 
@@ -64,7 +65,7 @@ def injector_from_env() -> FaultInjector | None:
 
 
 def per_sequence(point: str, seqs: list[Sequence], fn: Callable[[list[Sequence]], list],
-                 inject: FaultInjector | None, fail: Callable[[Sequence, str, Exception], None]) -> list[tuple]:
+                 inject: FaultInjector | None, fail: SequenceFailure) -> list[tuple]:
     """[(seq, fn's result for it)]: fn on the whole batch or, if that raises, on each sequence alone,
     calling fail(seq, point, exc) for those that still raise (finished sequences are skipped)."""
     def run(batch: list[Sequence]) -> list:

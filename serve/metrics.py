@@ -14,13 +14,15 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from baton.serve.stats import EngineStats
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class EngineCollector:
-    """Scrape-time engine gauges; `read()` returns a dict of engine numbers or None while loading."""
+    """Scrape-time engine gauges; `read()` returns the engine's stats, or None while loading."""
 
-    def __init__(self, read: Callable[[], dict | None], window_s: float = 10.0):
+    def __init__(self, read: Callable[[], EngineStats | None], window_s: float = 10.0):
         self._read = read
         self._window_s = window_s
         self._samples: collections.deque[tuple[float, int]] = collections.deque()
@@ -37,39 +39,39 @@ class EngineCollector:
         if s is None:
             return
         gauges = {
-            "baton_queued_calls": ("Generation calls waiting for admission", s["queued_calls"]),
-            "baton_engine_waiting_seqs": ("Sequences in the engine's waiting queue", s["waiting_seqs"]),
-            "baton_running_batch_size": ("Sequences in the running batch", s["running_seqs"]),
-            "baton_swapped_seqs": ("Sequences swapped out to host memory", s["swapped_seqs"]),
+            "baton_queued_calls": ("Generation calls waiting for admission", s.queued_calls),
+            "baton_engine_waiting_seqs": ("Sequences in the engine's waiting queue", s.waiting_seqs),
+            "baton_running_batch_size": ("Sequences in the running batch", s.running_seqs),
+            "baton_swapped_seqs": ("Sequences swapped out to host memory", s.swapped_seqs),
             "baton_prefix_cache_hit_rate": ("Share of prompt tokens served from the prefix cache",
-                                            s["prefix_cache_hit_rate"]),
+                                            s.prefix_cache_hit_rate),
             "baton_generation_tokens_per_second": (f"Generated tokens per second over about {self._window_s:g} s",
-                                                   self._tokens_per_s(time.monotonic(), s["generation_tokens"])),
+                                                   self._tokens_per_s(time.monotonic(), s.generation_tokens)),
             "baton_spec_acceptance_rate": ("Speculative decoding: accepted / proposed tokens since start",
-                                           s["spec_acceptance_rate"]),
+                                           s.spec_acceptance_rate),
             "baton_spec_mean_accepted_length": ("Speculative decoding: tokens gained per verification pass",
-                                                s["spec_mean_accepted_length"]),
+                                                s.spec_mean_accepted_length),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         kv = GaugeMetricFamily("baton_kv_blocks", "KV cache blocks by state", labels=["state"])
-        kv.add_metric(["used"], s["kv_blocks_total"] - s["kv_blocks_free"])
-        kv.add_metric(["free"], s["kv_blocks_free"])
+        kv.add_metric(["used"], s.kv_blocks_total - s.kv_blocks_free)
+        kv.add_metric(["free"], s.kv_blocks_free)
         yield kv
         counters = {
-            "baton_preemptions": ("Sequences preempted for lack of KV blocks", s["preemptions"]),
-            "baton_prompt_tokens": ("Prompt tokens processed", s["prompt_tokens"]),
-            "baton_generation_tokens": ("Tokens generated", s["generation_tokens"]),
-            "baton_spec_proposed_tokens": ("Speculative decoding: tokens proposed", s["spec_proposed_tokens"]),
+            "baton_preemptions": ("Sequences preempted for lack of KV blocks", s.preemptions),
+            "baton_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens),
+            "baton_generation_tokens": ("Tokens generated", s.generation_tokens),
+            "baton_spec_proposed_tokens": ("Speculative decoding: tokens proposed", s.spec_proposed_tokens),
             "baton_spec_accepted_tokens": ("Speculative decoding: proposed tokens the target accepted",
-                                           s["spec_accepted_tokens"]),
+                                           s.spec_accepted_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 
 
 class ServerMetrics:
-    def __init__(self, read_engine: Callable[[], dict | None]):
+    def __init__(self, read_engine: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
         self.requests = Counter("baton_requests", "Finished requests by API and outcome (gRPC status)",
                                 ["api", "outcome"], registry=self.registry)

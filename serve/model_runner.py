@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,8 +14,10 @@ from baton.common.model import CausalLM
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
+from baton.serve.block_manager import BlockOps
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
+from baton.serve.speculative.tree import ancestor_mask, tree_depths
 
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,16 @@ def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cach
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * width * elem
 
 
+@dataclass
+class ExecuteResult:
+    """One step's output for the rows that are sampled (each sequence's last row; every row of a
+    speculative chain or tree, which are all verified)."""
+
+    logits: torch.Tensor  # [rows, vocab]
+    groups: list[tuple[Sequence, int]]  # (sequence, its rows), in row order
+    hidden: torch.Tensor | None = None  # [rows, hidden] final hidden states, when asked for (Medusa)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  kv_cache_dtype: str = "auto"):
@@ -75,11 +88,11 @@ class ModelRunner:
         self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
 
     # ------------------------------------------------------------------------------ block ops
-    def apply_block_ops(self, swap_out, swap_in, copies, rerotations=()) -> None:
+    def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs first: a block freed by one may be reused by a swap-in or copy this step."""
-        for pairs, src_pools, dst_pools in ((swap_out, self.kv_caches, self.host_caches),
-                                            (swap_in, self.host_caches, self.kv_caches),
-                                            (copies, self.kv_caches, self.kv_caches)):
+        for pairs, src_pools, dst_pools in ((ops.swap_out, self.kv_caches, self.host_caches),
+                                            (ops.swap_in, self.host_caches, self.kv_caches),
+                                            (ops.copies, self.kv_caches, self.kv_caches)):
             if not pairs:
                 continue
             src = torch.tensor([a for a, _ in pairs])
@@ -87,7 +100,7 @@ class ModelRunner:
             for (sk, sv), (dk, dv) in zip(src_pools, dst_pools):
                 dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
                 dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
-        for blocks, shift in rerotations:
+        for blocks, shift in ops.rerotations:
             self._rerotate(blocks, shift)
 
     def _rerotate(self, blocks: list[int], shift: int) -> None:
@@ -164,9 +177,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool = False,
-                window_in_cache: bool = True, return_hidden: bool = False):
-        """Run the step; return logits [rows, vocab], [(seq, its rows)], and (optionally) the
-        final hidden states of those rows (for Medusa heads)."""
+                window_in_cache: bool = True, return_hidden: bool = False) -> ExecuteResult:
+        """Run the step (hidden states are returned only with return_hidden)."""
         input_ids, positions, md, sample = self.prepare(scheduled, positions_in_cache, window_in_cache)
         self.attn.metadata = md
         try:
@@ -177,7 +189,7 @@ class ModelRunner:
         picked = hidden[rows]
         logits = self.model.compute_logits(picked)
         groups = [(seq, len(rs)) for seq, rs in sample]
-        return (logits, groups, picked) if return_hidden else (logits, groups)
+        return ExecuteResult(logits, groups, picked if return_hidden else None)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""
@@ -189,21 +201,3 @@ class ModelRunner:
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[d] = flat[s].clone()
 
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth (1 = child of the last real token) of each proposal; parents precede children."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return depth
-
-
-def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n+1, n+1] bool: row i may attend column j iff j is i or an ancestor (row/col 0 = root)."""
-    n = len(parents) + 1
-    mask = torch.eye(n, dtype=torch.bool)
-    mask[:, 0] = True
-    for i, p in enumerate(parents, start=1):
-        if p >= 0:
-            mask[i] |= mask[p + 1]
-    return mask

@@ -7,6 +7,7 @@ limits, admission, metrics and the one log line per request are the same for all
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,6 +28,7 @@ from baton.serve.metrics import ServerMetrics
 from baton.serve.outputs import RequestOutput
 from baton.serve.rpc import RpcError, invalid, status_of
 from baton.serve.sampling_params import SamplingParams
+from baton.serve.stats import EngineStats
 
 log = logging.getLogger("baton.serve.requests")
 
@@ -79,10 +81,10 @@ class Runtime:
         self.state = "loading"  # -> "serving" -> "draining", or "failed" if the engine loop dies
         self.failure_reason: str | None = None  # why the engine died (refusals and ServerInfo say it)
         self.health = health.aio.HealthServicer()
-        self.engine: AsyncLLMEngine | None = None
+        self.async_engine: AsyncLLMEngine | None = None  # set once the model is loaded
         self.quantization = "none"  # e.g. "gptq int4", from the checkpoint's quantization_config
         self.admission = Admission(limits.max_concurrent, limits.max_queued)
-        self.metrics = ServerMetrics(self.engine_numbers)
+        self.metrics = ServerMetrics(self.engine_stats)
         self.started = time.monotonic()
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}"
@@ -97,10 +99,11 @@ class Runtime:
                            f"model {self.model_name!r} has no version {version!r} (only '1')")
 
     @property
-    def llm(self) -> LLMEngine:
-        if self.engine is None:
+    def core(self) -> LLMEngine:
+        """The engine behind the async one (its tokenizer, config, validation)."""
+        if self.async_engine is None:
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
-        return self.engine.engine
+        return self.async_engine.engine
 
     def prepare(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """Prompt token ids after every check, or RpcError naming what is wrong."""
@@ -120,7 +123,7 @@ class Runtime:
         if len(params.stop_token_ids) > lim.max_stop_token_ids:
             raise invalid(f"stop_token_ids has {len(params.stop_token_ids)} ids; this server allows at most "
                           f"{lim.max_stop_token_ids} (--max-stop-token-ids)")
-        ids = self.llm.validate_request(prompt, params)  # ValueError -> INVALID_ARGUMENT
+        ids = self.core.validate_request(prompt, params)  # ValueError -> INVALID_ARGUMENT
         if lim.max_prompt_tokens is not None and len(ids) > lim.max_prompt_tokens:
             raise invalid(f"prompt has {len(ids)} tokens; this server allows at most "
                           f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
@@ -155,7 +158,7 @@ class Runtime:
         call.prompt_tokens = len(ids)
         async with self.admission.slot():
             call.admitted = time.monotonic()
-            async with aclosing(self.engine.generate(ids, params, call.request_id, priority)) as stream:
+            async with aclosing(self.async_engine.generate(ids, params, call.request_id, priority)) as stream:
                 async for out in stream:
                     self._observe(call, out)
                     yield out
@@ -200,22 +203,9 @@ class Runtime:
             for name in ("", proto.BATON_SERVICE, proto.KSERVE_SERVICE):
                 await self.health.set(name, status)
 
-    def engine_numbers(self) -> dict | None:
-        """Queue, batch and KV numbers, read under the engine lock (None while loading)."""
-        if self.engine is None:
+    def engine_stats(self) -> EngineStats | None:
+        """The engine's numbers, read under its lock, with the admission counts (None while loading)."""
+        if self.async_engine is None:
             return None
-
-        def read(e: LLMEngine) -> dict:
-            bm, sched = e.block_manager, e.scheduler
-            return dict(engine_requests=len(e.requests), waiting_seqs=len(sched.waiting),
-                        running_seqs=len(sched.running), swapped_seqs=len(sched.swapped),
-                        kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
-                        prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sched.num_preemptions,
-                        prompt_tokens=e.stats["prompt_tokens"], generation_tokens=e.stats["generation_tokens"],
-                        spec_proposed_tokens=e.spec_stats.proposed, spec_accepted_tokens=e.spec_stats.accepted,
-                        spec_acceptance_rate=e.spec_stats.acceptance_rate,
-                        spec_mean_accepted_length=e.spec_stats.mean_accepted_length)
-
-        numbers = self.engine.snapshot(read)
-        numbers.update(active_calls=self.admission.running, queued_calls=self.admission.queued)
-        return numbers
+        stats = self.async_engine.snapshot(LLMEngine.stats)
+        return dataclasses.replace(stats, active_calls=self.admission.running, queued_calls=self.admission.queued)

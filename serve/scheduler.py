@@ -8,6 +8,9 @@ later) or by swap (copy its KV to the host pool), per policy.
 
 A request with n > 1 samples is admitted as one sequence that forks after its prompt: it holds n
 of the max_num_seqs slots from admission on, so the forks never overfill the batch.
+
+The schedule carries the KV work its forward needs first (swaps, copy-on-write copies,
+StreamingLLM re-rotations); after the forward, postprocess() books what was computed.
 """
 
 from __future__ import annotations
@@ -15,20 +18,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from baton.serve.block_manager import BlockManager
+from baton.serve.block_manager import BlockManager, BlockOps
+from baton.serve.faults import SequenceFailure
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence, SequenceStatus
+from baton.serve.speculative.tree import clear_speculation
 from baton.serve.streaming import EvictionPolicy, StreamingLLMPolicy
-
-
-def clear_speculation(seq: Sequence, keep: int = 0) -> None:
-    """Drop proposals beyond the first `keep` (a tree is kept whole or dropped)."""
-    if keep == 0 or seq.spec_parents is not None:
-        seq.spec_token_ids, seq.spec_parents, seq.spec_draft_probs = [], None, None
-    else:
-        del seq.spec_token_ids[keep:]
-        if seq.spec_draft_probs is not None:
-            seq.spec_draft_probs = seq.spec_draft_probs[:keep]
 
 
 def slots(seq: Sequence) -> int:
@@ -58,6 +53,7 @@ class SchedulerConfig:
 class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens this step)
     preempted: list[Sequence] = field(default_factory=list)
+    block_ops: BlockOps = field(default_factory=BlockOps)  # to apply before the forward
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +70,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -178,7 +175,25 @@ class Scheduler:
                 out.scheduled.append((seq, n))
                 budget -= n
                 used += slots(seq)
+        if out.scheduled:  # else the work waits for the next step that runs (a swap-out before its swap-in)
+            out.block_ops = self.bm.take_pending()
+            if self.eviction is not None:
+                out.block_ops.rerotations = self.eviction.take_rerotations()
         return out
+
+    def postprocess(self, out: SchedulerOutput, fail: SequenceFailure) -> None:
+        """After the forward: the scheduled tokens' KV is cached, and newly full blocks go to the
+        prefix cache. Speculative sequences advance in verification instead, by what is accepted.
+        A raise fails that sequence's request only."""
+        for seq, n in out.scheduled:
+            if not seq.spec_token_ids:
+                seq.num_computed_tokens += n
+                if seq.num_computed_tokens <= seq.num_prompt_tokens:
+                    self.num_computed_prompt_tokens += n
+                try:
+                    self.bm.register_full_blocks(seq)
+                except Exception as e:
+                    fail(seq, "postprocess", e)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         remaining = seq.num_tokens - seq.num_computed_tokens

@@ -109,12 +109,12 @@ class BatonServer:
         if self._engine is None:
             t0 = time.monotonic()
             dtype = DTYPES[cfg.dtype] if cfg.dtype else None
-            llm = await asyncio.to_thread(LLMEngine.from_checkpoint, cfg.model, cfg.engine, cfg.device, dtype)
-            self._engine = AsyncLLMEngine(llm)
+            core = await asyncio.to_thread(LLMEngine.from_checkpoint, cfg.model, cfg.engine, cfg.device, dtype)
+            self._engine = AsyncLLMEngine(core)
             log.info("loaded %s in %.1f s", cfg.model, time.monotonic() - t0)
         q = quantization_config(cfg.model)
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
-        self.rt.engine = self._engine
+        self.rt.async_engine = self._engine
         await self.rt.set_state("serving")
         mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
         metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"

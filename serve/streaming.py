@@ -25,14 +25,16 @@ class EvictionPolicy(Protocol):
 
     def evict(self, seq: Sequence, bm: BlockManager) -> None: ...
 
+    def take_rerotations(self) -> list[tuple[list[int], int]]:
+        """(block ids, positions to shift their cached keys left) queued by evict() since the last call."""
+
 
 @dataclass
 class StreamingLLMPolicy:
     num_sink_tokens: int = 4
     window_tokens: int = 1024
     positions_in_cache: bool = True
-    # (block ids to re-rotate, by how many positions to shift them left), drained by the runner
-    pending_rerotations: list[tuple[list[int], int]] = field(default_factory=list)
+    pending_rerotations: list[tuple[list[int], int]] = field(default_factory=list)  # see take_rerotations
 
     def evict(self, seq: Sequence, bm: BlockManager) -> None:
         bs = bm.block_size
@@ -47,6 +49,10 @@ class StreamingLLMPolicy:
         if survivors:
             self.pending_rerotations.append((list(survivors), n * bs))
 
+    def take_rerotations(self) -> list[tuple[list[int], int]]:
+        out, self.pending_rerotations = self.pending_rerotations, []
+        return out
+
 
 @dataclass
 class SlidingWindowPolicy:
@@ -59,3 +65,6 @@ class SlidingWindowPolicy:
         n = (first_needed - seq.num_evicted_tokens) // bm.block_size
         if n > 0:
             bm.drop_leading_blocks(seq, 0, n)
+
+    def take_rerotations(self) -> list[tuple[list[int], int]]:
+        return []  # positions stay absolute: nothing moves

@@ -6,7 +6,7 @@ a block hash that ignores its parent, MRU instead of LRU eviction, a ref count l
 
 from __future__ import annotations
 
-from baton.serve.block_manager import BlockManager
+from baton.serve.block_manager import BlockManager, BlockOps
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import Scheduler, SchedulerConfig
 from baton.serve.sequence import Sequence, SequenceStatus
@@ -117,9 +117,10 @@ def test_abort_mid_flight_returns_every_block():
     assert _state(bm) == start and not sched.has_work()
 
 
-def _grow_to_preemption(bm: BlockManager, mode: str) -> tuple[Scheduler, Sequence, Sequence, list[int]]:
+def _grow_to_preemption(bm: BlockManager, mode: str) -> tuple[Scheduler, Sequence, Sequence, list[int], BlockOps]:
     """Two 7-token sequences in 4 blocks of 4, each then needing a third block: the newer is
-    preempted. Returns the scheduler, the survivor, the victim and the victim's blocks before."""
+    preempted. Returns the scheduler, the survivor, the victim, the victim's blocks before and
+    the block ops of the step that preempted it."""
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, preemption_mode=mode), bm)
     a, b = _seq(0, list(range(1, 8)), arrival=0.0), _seq(1, list(range(11, 18)), arrival=1.0)
     sched.add(a)
@@ -132,13 +133,13 @@ def _grow_to_preemption(bm: BlockManager, mode: str) -> tuple[Scheduler, Sequenc
     victim_blocks = list(b.block_table)
     out = sched.schedule()
     assert [s.seq_id for s in out.preempted] == [1] and [s.seq_id for s, _ in out.scheduled] == [0]
-    return sched, a, b, victim_blocks
+    return sched, a, b, victim_blocks, out.block_ops
 
 
 def test_recompute_preemption_releases_the_victims_blocks_exactly():
     bm = BlockManager(4, BS)
     start = _state(bm)
-    sched, a, b, _ = _grow_to_preemption(bm, "recompute")
+    sched, a, b, _, _ = _grow_to_preemption(bm, "recompute")
     assert b.status == SequenceStatus.WAITING and not b.block_table and b.num_computed_tokens == 0
     assert _state(bm) == (4 - len(a.block_table), _refs_of(a, num_blocks=4), 0)
     sched.finish(a)
@@ -153,25 +154,24 @@ def test_swap_preemption_moves_blocks_to_the_host_and_back():
     bm = BlockManager(4, BS, num_host_blocks=4)
     start = _state(bm)
     assert start == (4, [0] * 4, 4)
-    sched, a, b, victim_blocks = _grow_to_preemption(bm, "swap")
+    sched, a, b, victim_blocks, ops = _grow_to_preemption(bm, "swap")
     # Really swapped: the victim's KV is queued for copy-out into host blocks it now owns.
     assert b.status == SequenceStatus.SWAPPED and b in sched.swapped and not b.block_table
     assert len(b.host_block_table) == len(victim_blocks) == 2
-    assert bm.pending_swap_out == list(zip(victim_blocks, b.host_block_table))
+    assert ops.swap_out == list(zip(victim_blocks, b.host_block_table))
     assert len(bm.host_free) == 2 and not set(b.host_block_table) & set(bm.host_free)
     assert _state(bm)[:2] == (4 - len(a.block_table), _refs_of(a, num_blocks=4))
-    swap_out, swap_in, _ = bm.take_pending()
+    swap_out, swap_in = ops.swap_out, ops.swap_in
     assert swap_out and not swap_in
     hosts = list(b.host_block_table)
     sched.finish(a)
     out = sched.schedule()  # room again: the victim is swapped back in, before anything new
     assert [s.seq_id for s, _ in out.scheduled] == [1] and b.status == SequenceStatus.RUNNING
     assert not b.host_block_table and len(bm.host_free) == 4
-    assert [h for h, _ in bm.pending_swap_in] == hosts, "each host block copied back, in order"
-    assert [d for _, d in bm.pending_swap_in] == b.block_table[:2]
+    assert [h for h, _ in out.block_ops.swap_in] == hosts, "each host block copied back, in order"
+    assert [d for _, d in out.block_ops.swap_in] == b.block_table[:2]
     assert b.num_computed_tokens == 7, "swapped KV is kept, not recomputed"
     assert _state(bm)[1] == _refs_of(b, num_blocks=4)
-    bm.take_pending()
     sched.finish(b)
     assert _state(bm) == start
 
@@ -196,9 +196,9 @@ def test_swap_out_and_in_directly_keep_the_host_pool_exact():
     assert [h for h, _ in bm.pending_swap_in] == hosts and [d for _, d in bm.pending_swap_in] == seq.block_table
     assert sorted(bm.host_free) == [0, 1, 2] and seq.host_block_table == []
     assert _state(bm)[1] == _refs_of(seq, num_blocks=8)
-    swap_out, swap_in, copies = bm.take_pending()
-    assert (len(swap_out), len(swap_in), copies) == (3, 3, [])
-    assert bm.take_pending() == ([], [], [])
+    ops = bm.take_pending()
+    assert (len(ops.swap_out), len(ops.swap_in), ops.copies) == (3, 3, [])
+    assert bm.take_pending() == BlockOps()
     bm.free(seq)
     assert _state(bm) == start
 

@@ -68,7 +68,7 @@ def test_modes_give_identical_outputs(llama_ckpt, mode):
     prompts = _prompts() + [shared + p for p in _prompts(seed=2, lengths=(5, 9, 21))]  # shared prefix
     expected = [greedy_generate(model, torch.tensor([p]), 24)[0].tolist() for p in prompts]
     engine = LLMEngine.from_checkpoint(llama_ckpt, MODES[mode])
-    engine.runner.apply_block_ops = ops = mock.Mock(wraps=engine.runner.apply_block_ops)  # (swap_out, swap_in, copies)
+    engine.runner.apply_block_ops = ops = mock.Mock(wraps=engine.runner.apply_block_ops)  # (BlockOps)
     assert run_staggered(engine, prompts, GREEDY, every=2) == expected
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
@@ -77,7 +77,8 @@ def test_modes_give_identical_outputs(llama_ckpt, mode):
         assert engine.scheduler.num_preemptions > 0, "the budget was meant to force preemption"
     if mode == "preempt-swap":
         assert bm.num_host_blocks > 0
-        assert all(any(c.args[i] for c in ops.call_args_list) for i in (0, 1)), "no KV block was swapped out and in"
+        swaps = [(c.args[0].swap_out, c.args[0].swap_in) for c in ops.call_args_list]
+        assert all(any(s[i] for s in swaps) for i in (0, 1)), "no KV block was swapped out and in"
     if mode == "default":
         assert bm.prefix_hits == 2 * 40, "the 2nd and 3rd requests should find the shared 40-token prefix cached"
 

@@ -158,7 +158,7 @@ def test_propose_and_verify_faults_with_speculation(llama_dir):
     finals = drive(engine, plan)
     assert "propose failed" in finals.pop("p").error and "postprocess failed" in finals.pop("v").error
     assert {rid: tokens(o) for rid, o in finals.items()} == {rid: ref[rid] for rid in ("a", "d")}
-    assert engine.spec_stats.proposed > 0 and pool_whole(engine)
+    assert engine.speculative.stats.proposed > 0 and pool_whole(engine)
 
 
 def test_unschedulable_request_fails_not_the_engine(llama_dir, monkeypatch):
@@ -247,13 +247,13 @@ def test_server_says_why_the_engine_died(llama_dir):
 
     def corrupt(point, seq):
         if point == "postprocess":
-            s.server.rt.engine.engine.block_manager.blocks[seq.block_table[0]].ref_count += 1
+            s.server.rt.async_engine.engine.block_manager.blocks[seq.block_table[0]].ref_count += 1
             raise InjectedFault("fault that leaks a block")
 
     try:
         with BatonClient(s.target, timeout=30) as c:
             assert c.complete("The fox", max_tokens=4, temperature=0).completions[0].finish_reason == "length"
-            s.server.rt.engine.engine.fault_injector = corrupt
+            s.server.rt.async_engine.engine.fault_injector = corrupt
             with pytest.raises(grpc.RpcError) as e:
                 c.complete("The fox", max_tokens=4)
             assert e.value.code() == grpc.StatusCode.INTERNAL and "does not add up" in e.value.details()

@@ -25,7 +25,8 @@ def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
 
     def step(plan):
         _, _, md, _ = runner.prepare([(seqs[k], n) for k, n in plan], False, True)
-        logits, groups = runner.execute([(seqs[k], n) for k, n in plan])
+        result = runner.execute([(seqs[k], n) for k, n in plan])
+        logits, groups = result.logits, result.groups
         for k, n in plan:
             seqs[k].num_computed_tokens += n
         return md, logits, groups

@@ -185,7 +185,7 @@ def test_draft_speculation_with_int64_edge_seeds(draft_models, seed):
             for out in engine.step():
                 if out.finished:
                     tokens = [o.token_ids for o in out.outputs]
-        assert engine.spec_stats.proposed > 0
+        assert engine.speculative.stats.proposed > 0
         return tokens
 
     first = run()

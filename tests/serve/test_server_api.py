@@ -175,7 +175,7 @@ def test_engine_failure_fails_health(llama_dir):
     def broken_step():
         raise RuntimeError("simulated device fault")
 
-    s.server.rt.engine.engine.step = broken_step
+    s.server.rt.async_engine.engine.step = broken_step
     try:
         with BatonClient(s.target, timeout=30) as c:
             with pytest.raises(grpc.RpcError) as e:
@@ -216,7 +216,7 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-    want = engine.spec_stats
+    want = engine.speculative.stats
     assert want.proposed > 0 and 0 < want.accepted <= want.proposed
     assert (info.spec_proposed_tokens, info.spec_accepted_tokens) == (want.proposed, want.accepted)
     assert info.spec_acceptance_rate == pytest.approx(want.acceptance_rate)

@@ -111,3 +111,23 @@ def test_admission_queues_then_refuses_and_survives_cancellation():
         assert order == [0, 1, 3] and (adm.running, adm.queued) == (0, 0)
 
     asyncio.run(main())
+
+
+def test_server_info_has_every_field_from_the_engine_stats_or_the_server():
+    """ServerInfoResponse is built from EngineStats by name: every proto field must be one of its
+    attributes or filled by the server itself, and no attribute may miss the proto."""
+    import dataclasses
+
+    from baton.serve.baton_service import server_info_fields
+    from baton.serve.runtime import Limits, Runtime
+    from baton.serve.stats import EngineStats
+
+    rt = Runtime("tiny", Limits())
+    names = [f.name for f in dataclasses.fields(EngineStats)]
+    stats = EngineStats(**{name: i + 1 for i, name in enumerate(names)})
+    fields = server_info_fields(rt, stats)
+    response = proto.baton("ServerInfoResponse")
+    assert set(fields) == {f.name for f in response.DESCRIPTOR.fields}
+    msg = response(**fields)
+    assert all(getattr(msg, name) == getattr(stats, name) for name in names)
+    assert set(server_info_fields(rt, None)) == {"version", "uptime_s", "state", "failure_reason"}, "while loading"

@@ -14,7 +14,8 @@ from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 from baton.serve.sequence import Sequence
-from baton.serve.speculative import SpeculativeConfig, choose
+from baton.serve.speculative import SpeculativeConfig
+from baton.serve.speculative.decoder import choose
 
 from .conftest import run_staggered
 
@@ -77,13 +78,13 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     assert got == expected
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
-    assert engine.spec_stats.proposed > 0
+    assert engine.speculative.stats.proposed > 0
     if mode == "draft-agreeing" or mode == "ngram":
-        assert engine.spec_stats.accepted > 0
+        assert engine.speculative.stats.accepted > 0
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
     if mode.startswith("draft"):
-        assert engine.proposer.bm.num_free_blocks == engine.proposer.bm.num_blocks, "draft KV leaked"
+        assert engine.speculative.proposer.bm.num_free_blocks == engine.speculative.proposer.bm.num_blocks, "draft KV leaked"
 
 
 def test_prefix_caching_with_speculation(models):
@@ -141,7 +142,7 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     outs = []
     while engine.has_unfinished_requests():
         outs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
-    assert engine.spec_stats.accepted > 0
+    assert engine.speculative.stats.accepted > 0
     with torch.no_grad():
         def probs(ctx):
             return torch.softmax(target(torch.tensor([ctx]))[0, -1].double(), -1)
@@ -166,8 +167,9 @@ def test_tree_forward_matches_each_path_run_plainly(models):
     parents = [-1, -1, 0, 0, 2, 1]  # two branches from the root, a depth-3 path through 0 -> 2 -> 4
     seq.spec_token_ids, seq.spec_parents = tokens, parents
     engine.block_manager.allocate_slots(seq, 1 + len(tokens))
-    logits, groups = engine.runner.execute([(seq, 1 + len(tokens))])
-    assert groups == [(seq, 7)]
+    result = engine.runner.execute([(seq, 1 + len(tokens))])
+    logits = result.logits
+    assert result.groups == [(seq, 7)]
 
     def path(i):
         out = []
@@ -214,14 +216,14 @@ def test_speculation_switches_off_above_the_batch_limit(models):
     outputs, proposed_while_full = {}, []
     while engine.has_unfinished_requests():
         full = len(engine.scheduler.running) > 2
-        before = engine.spec_stats.proposed
+        before = engine.speculative.stats.proposed
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids
         if full:
-            proposed_while_full.append(engine.spec_stats.proposed - before)
+            proposed_while_full.append(engine.speculative.stats.proposed - before)
     assert proposed_while_full and not any(proposed_while_full)
-    assert engine.spec_stats.proposed > 0  # the long request speculated once it ran with fewer
+    assert engine.speculative.stats.proposed > 0  # the long request speculated once it ran with fewer
     want = greedy_generate(target, torch.tensor([loop]), max(lengths))[0].tolist()
     for i, n in enumerate(lengths):
         assert outputs[str(i)] == want[:n]

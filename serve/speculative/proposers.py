@@ -1,24 +1,11 @@
-"""Speculative decoding: cheap proposals, one target pass to verify them, exact output.
-
-Proposers (each sets seq.spec_token_ids, and seq.spec_parents for a tree):
-  * NgramProposer   - prompt lookup: copy what followed the last occurrence of the current suffix
-  * DraftProposer   - a small model with its own paged KV cache proposes k tokens (a chain, or a
-                      SpecInfer-style tree with the draft's top alternatives at each depth)
-  * MedusaProposer  - Medusa heads on the target's last hidden state propose a token tree
-
-Verification keeps the target's distribution exactly. At each node the candidates (children)
-are tried in turn with rejection sampling: accept c with probability min(1, p(c)/q(c)), else
-continue with the residual norm(max(p - q, 0)) (q is one-hot for deterministic proposals, which
-makes this SpecInfer's multi-candidate rule); when no candidate is accepted the token is drawn
-from the final residual. Greedy requests accept exactly the argmax. (Leviathan et al., 2023;
-Chen et al., 2023; Miao et al., 2023.)
-"""
+"""Proposers: each sets seq.spec_token_ids for the sequences it is given (seq.spec_parents for a
+token tree, seq.spec_draft_probs when it sampled them); serve/speculative/__init__.py lists them."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -27,90 +14,28 @@ from baton.serve.block_manager import BlockManager
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampler import target_distribution
 from baton.serve.sequence import Sequence
-
-METHODS = ("ngram", "draft", "medusa")
-
-
-@dataclass
-class SpeculativeConfig:
-    method: str  # "ngram" | "draft" | "medusa"
-    num_speculative_tokens: int = 4  # k (the most; adaptive k may use fewer)
-    draft_model: str | None = None  # checkpoint dir, for method "draft"
-    draft_kv_cache_bytes: int = 64 * 1024**2
-    tree_width: int = 1  # >1: a token tree with this many alternatives at each depth
-    ngram_max: int = 4
-    ngram_min: int = 1
-    adaptive: bool = False  # adapt k per sequence from its running acceptance rate
-    disable_above_batch: int | None = None  # no speculation while more sequences than this decode
-
-    def validate(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")
-        if self.disable_above_batch is not None and self.disable_above_batch < 1:
-            raise ValueError(f"disable_above_batch must be >= 1 (or None), got {self.disable_above_batch}")
-        if self.tree_width < 1 or not 1 <= self.ngram_min <= self.ngram_max:
-            raise ValueError("need tree_width >= 1 and 1 <= ngram_min <= ngram_max")
+from baton.serve.speculative.config import SpeculativeConfig
+from baton.serve.speculative.tree import top_tree
 
 
-@dataclass
-class SpecStats:
-    steps: int = 0  # verification passes
-    proposed: int = 0
-    accepted: int = 0
+class Proposer(Protocol):
+    """A proposal method, as the decoder drives it."""
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+    wants_hidden: bool  # True: observe() is given the target's final hidden state of each new token (Medusa)
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens gained per verification pass (accepted proposals + the target's own token)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+    def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
+        """Propose at most ks[seq.seq_id] tokens deep for each sequence (or nothing)."""
 
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The hidden state that produced seq's last token (only when wants_hidden)."""
 
-def choose(p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, generator, greedy: bool) -> tuple[int, int]:
-    """Pick the next token given the target distribution p and proposed candidates.
-    Returns (token, index of the accepted candidate or -1)."""
-    if greedy:
-        token = int(torch.argmax(p))
-        return token, candidates.index(token) if token in candidates else -1
-    p = p.clone()
-    for i, c in enumerate(candidates):
-        qc = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([c]), 1.0)
-        if float(torch.rand((), generator=generator)) * float(qc[c]) < float(p[c]):  # u < p/q
-            return c, i
-        p = torch.clamp(p - qc, min=0)
-        total = p.sum()
-        if total <= 0:  # p was entirely covered by q: any residual choice is measure-zero
-            return c, i
-        p = p / total
-    return int(torch.multinomial(p, 1, generator=generator)), -1
+    def release(self, seq: Sequence) -> None:
+        """seq is done (finished, aborted or failed): drop what is kept for it."""
 
 
-def chain_parents(n: int) -> list[int]:
-    return list(range(-1, n - 1))
-
-
-def top_tree(candidates: list[list[int]]) -> tuple[list[int], list[int]]:
-    """A tree from per-depth candidate lists: the first candidate of each depth continues the
-    main chain, the others are leaf alternatives. Returns (tokens, parents)."""
-    tokens, parents, tip = [], [], -1
-    for cands in candidates:
-        for j, tok in enumerate(cands):
-            tokens.append(tok)
-            parents.append(tip)
-            if j == 0:
-                main = len(tokens) - 1
-        tip = main
-    return tokens, parents
-
-
-# ------------------------------------------------------------------------------------ proposers
 class NgramProposer:
+    wants_hidden = False
+
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
 
@@ -125,6 +50,9 @@ class NgramProposer:
                     seq.spec_token_ids = toks[start:start + ks[seq.seq_id]].tolist()
                     break
 
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        pass
+
     def release(self, seq: Sequence) -> None:
         pass
 
@@ -132,6 +60,8 @@ class NgramProposer:
 class DraftProposer:
     """The draft keeps a mirror of each target sequence in its own paged cache; after each
     verification the mirror is rolled back to the longest prefix it shares with the target."""
+
+    wants_hidden = False
 
     def __init__(self, cfg: SpeculativeConfig, target_vocab: int):
         from baton.common.checkpoint import load_checkpoint
@@ -182,8 +112,8 @@ class DraftProposer:
                 batch.append((s, m, n))
             if not batch:
                 break
-            self.runner.apply_block_ops(*self.bm.take_pending())
-            logits, _ = self.runner.execute([(m, n) for _, m, n in batch])
+            self.runner.apply_block_ops(self.bm.take_pending())
+            logits = self.runner.execute([(m, n) for _, m, n in batch]).logits
             for (s, m, n), row in zip(batch, logits.float().cpu()):
                 m.num_computed_tokens += n
                 q = target_distribution(row, m)
@@ -202,6 +132,9 @@ class DraftProposer:
                 s.spec_token_ids = m.token_ids[s.num_tokens:]
                 s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
 
+    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        pass
+
     def release(self, seq: Sequence) -> None:
         m = self.mirrors.pop(seq.seq_id, None)
         if m is not None:
@@ -211,13 +144,14 @@ class DraftProposer:
 class MedusaProposer:
     """Top-k of each Medusa head, read from the hidden state that produced the last token."""
 
+    wants_hidden = True
+
     def __init__(self, cfg: SpeculativeConfig, model_dir: str | Path, device, dtype):
         from baton.common.medusa import load_medusa
 
         self.cfg = cfg
         self.heads = load_medusa(model_dir, device, dtype)
         self.hidden: dict[int, torch.Tensor] = {}
-        self.wants_hidden = True
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         self.hidden[seq.seq_id] = hidden
@@ -242,29 +176,8 @@ class MedusaProposer:
         self.hidden.pop(seq.seq_id, None)
 
 
-@dataclass
-class AdaptiveK:
-    """k from the running acceptance rate a: the expected run of accepted tokens is a/(1-a)."""
-
-    k_max: int
-    enabled: bool
-    rates: dict[int, float] = field(default_factory=dict)
-
-    def k(self, seq: Sequence) -> int:
-        if not self.enabled:
-            return self.k_max
-        a = self.rates.get(seq.seq_id, 0.7)
-        return max(1, min(self.k_max, round(a / max(1e-3, 1 - a)) + 1))
-
-    def update(self, seq: Sequence, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.rates[seq.seq_id] = 0.7 * self.rates.get(seq.seq_id, 0.7) + 0.3 * accepted / proposed
-
-    def forget(self, seq: Sequence) -> None:
-        self.rates.pop(seq.seq_id, None)
-
-
-def make_proposer(cfg: SpeculativeConfig, model_dir: str | Path | None, vocab: int, device, dtype):
+def make_proposer(cfg: SpeculativeConfig, model_dir: str | Path | None, vocab: int, device: torch.device,
+                  dtype: torch.dtype) -> Proposer:
     cfg.validate()
     if cfg.method == "ngram":
         return NgramProposer(cfg)

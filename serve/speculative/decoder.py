@@ -1,0 +1,122 @@
+"""SpeculativeDecoder: all the engine does for speculation, in two calls a step.
+
+Before the schedule, propose() asks the proposer for the sequences about to decode (k per
+sequence from adaptive k, within max_tokens and the context). The scheduler fits the proposals
+into the step's token budget and the model runner packs them into the forward. After it,
+verify() walks each sequence's chain/tree with `choose`, appends every token it keeps through the
+engine's callback, compacts the accepted path's KV into a chain and frees the rejected slots.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from baton.serve.block_manager import BlockManager
+from baton.serve.faults import FaultInjector, SequenceFailure, per_sequence
+from baton.serve.model_runner import ModelRunner
+from baton.serve.sampler import SampleResult, logprobs_of, target_distribution
+from baton.serve.sequence import Sequence
+from baton.serve.speculative.config import AdaptiveK, SpecStats, SpeculativeConfig
+from baton.serve.speculative.proposers import Proposer
+from baton.serve.speculative.tree import chain_parents, clear_speculation
+
+
+def choose(p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, generator, greedy: bool) -> tuple[int, int]:
+    """Pick the next token given the target distribution p and proposed candidates.
+    Returns (token, index of the accepted candidate or -1)."""
+    if greedy:
+        token = int(torch.argmax(p))
+        return token, candidates.index(token) if token in candidates else -1
+    p = p.clone()
+    for i, c in enumerate(candidates):
+        qc = q[i] if q is not None else torch.zeros_like(p).index_fill_(0, torch.tensor([c]), 1.0)
+        if float(torch.rand((), generator=generator)) * float(qc[c]) < float(p[c]):  # u < p/q
+            return c, i
+        p = torch.clamp(p - qc, min=0)
+        total = p.sum()
+        if total <= 0:  # p was entirely covered by q: any residual choice is measure-zero
+            return c, i
+        p = p / total
+    return int(torch.multinomial(p, 1, generator=generator)), -1
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, runner: ModelRunner, block_manager: BlockManager,
+                 max_model_len: int):
+        self.config, self.proposer = config, proposer
+        self.runner, self.bm = runner, block_manager
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+        self.adaptive_k = AdaptiveK(config.num_speculative_tokens, config.adaptive)
+
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the forward must return the final hidden states of the sampled rows."""
+        return self.proposer.wants_hidden
+
+    def propose(self, running: list[Sequence], inject: FaultInjector | None, fail: SequenceFailure) -> None:
+        """Proposals for the running sequences that decode next; a raise fails that request only."""
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        limit = self.config.disable_above_batch
+        if not decoding or (limit is not None and len(running) > limit):
+            return
+        budget = self.max_model_len - 1
+        ks = {s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1,
+                            budget - s.num_tokens) for s in decoding}
+        ready = [s for s in decoding if ks[s.seq_id] > 0]
+        if ready:
+            propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
+            per_sequence("propose", ready, propose, inject, fail)
+
+    def verify(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None,
+               append: Callable[[SampleResult], None]) -> None:
+        """Accept the longest verified path of seq's proposals, given the logits (and hidden states)
+        of its rows in the forward: root first, then one row per proposal. `append` adds a token
+        to seq (and may finish it)."""
+        proposals = seq.spec_token_ids
+        parents = seq.spec_parents if seq.spec_parents is not None else chain_parents(len(proposals))
+        draft_probs = seq.spec_draft_probs
+        clear_speculation(seq)
+        children: dict[int, list[int]] = {}
+        for i, parent in enumerate(parents):
+            children.setdefault(parent, []).append(i)
+        logits = logits.float().cpu()
+        root_slot_index = seq.num_computed_tokens - seq.num_evicted_tokens
+        seq.num_computed_tokens += 1  # the last real token's K/V is now cached
+        node, path = -1, []
+        while True:
+            kids = children.get(node, [])
+            p = target_distribution(logits[node + 1], seq)
+            q = draft_probs[kids] if draft_probs is not None and kids else None
+            token, idx = choose(p, [proposals[i] for i in kids], q, seq.generator, seq.params.greedy)
+            append(SampleResult(token, logprobs_of(logits[node + 1], token, seq.params.logprobs)))
+            if idx < 0 or seq.is_finished:
+                break
+            node = kids[idx]
+            path.append(node)
+            seq.num_computed_tokens += 1  # the accepted proposal's K/V is valid
+        self.stats.steps += 1
+        self.stats.proposed += len(proposals)
+        self.stats.accepted += len(path)
+        self.adaptive_k.update(seq, len(proposals), len(path))
+        if not seq.is_finished:
+            bs = self.bm.block_size
+            slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731
+            moves = [(root_slot_index + 1 + n, root_slot_index + 1 + d) for d, n in enumerate(path) if n != d]
+            self.runner.move_slots([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
+            self.bm.trim(seq)
+            self.bm.register_full_blocks(seq)
+            if hidden is not None:
+                self.proposer.observe(seq, hidden[node + 1])  # the row whose logits gave the last token
+
+    def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
+        """A plain (not speculative) step's hidden state for these sequences' next token (wants_hidden)."""
+        for seq in seqs:
+            self.proposer.observe(seq, hidden)
+
+    def release(self, seq: Sequence) -> None:
+        """seq left the engine (finished, aborted or failed)."""
+        self.proposer.release(seq)
+        self.adaptive_k.forget(seq)

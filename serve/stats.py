@@ -1,0 +1,31 @@
+"""EngineStats: one consistent reading of the engine, for /metrics, ServerInfo and benchmarks.
+
+LLMEngine.stats() fills it (the server reads it under the engine lock, so a scrape or a
+ServerInfo sees one engine state); the runtime adds its admission counts. The field names are
+ServerInfoResponse's, which is built from dataclasses.asdict (tests/serve/test_server_units.py
+checks that every proto field is covered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    engine_requests: int  # requests the engine holds (any state)
+    waiting_seqs: int
+    running_seqs: int
+    swapped_seqs: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    prefix_cache_hit_rate: float
+    preemptions: int  # since start, as are the token counts below
+    prompt_tokens: int
+    generation_tokens: int
+    spec_proposed_tokens: int  # speculative decoding: all zero without it
+    spec_accepted_tokens: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_length: float
+    active_calls: int = 0  # the server's admission: generation calls in the engine, and waiting for it
+    queued_calls: int = 0

@@ -4,7 +4,9 @@ The gRPC server awaits `generate(...)`; leaving the iterator early (client cance
 aborts the request, which frees its KV blocks at once. Requests are validated in the caller's
 thread, so bad input raises ValueError before anything is queued. A request the engine fails
 (its final output carries `error`) raises RequestFailedError in its stream only; the loop stops
-only when step() itself raises, and then every stream gets EngineDeadError with the reason.
+only when step() itself raises, and then every stream gets EngineDeadError with the reason and
+`on_dead(reason)` is called on the engine thread (the server turns its health NOT_SERVING at
+once, with or without a call in flight).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from baton.serve.engine import LLMEngine
 from baton.serve.faults import EngineFault
@@ -47,6 +49,7 @@ class AsyncLLMEngine:
         self._stopping = False
         self.dead: BaseException | None = None
         self.failure_reason: str | None = None  # set with dead: a short why
+        self.on_dead: Callable[[str], object] | None = None  # called with failure_reason, on the engine thread
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self._thread.start()
@@ -64,6 +67,7 @@ class AsyncLLMEngine:
                 self.dead = e
                 for rid in list(self._streams):
                     self._deliver(rid, EngineDeadError(self.failure_reason))
+                self._report_death()
                 return
             for out in outputs:
                 failed = out.error is not None
@@ -71,6 +75,14 @@ class AsyncLLMEngine:
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
+
+    def _report_death(self) -> None:
+        on_dead = self.on_dead
+        if on_dead is not None:
+            try:
+                on_dead(self.failure_reason)
+            except Exception:  # e.g. the server's event loop is already closed
+                log.warning("on_dead(%r) raised", self.failure_reason, exc_info=True)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)

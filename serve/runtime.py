@@ -81,13 +81,14 @@ class Runtime:
         self.state = "loading"  # -> "serving" -> "draining", or "failed" if the engine loop dies
         self.failure_reason: str | None = None  # why the engine died (refusals and ServerInfo say it)
         self.health = health.aio.HealthServicer()
-        self.async_engine: AsyncLLMEngine | None = None  # set once the model is loaded
+        self.async_engine: AsyncLLMEngine | None = None  # set by attach(), once the model is loaded
         self.quantization = "none"  # e.g. "gptq int4", from the checkpoint's quantization_config
         self.admission = Admission(limits.max_concurrent, limits.max_queued)
         self.metrics = ServerMetrics(self.engine_stats)
         self.started = time.monotonic()
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}"
+        self._failing: asyncio.Future | None = None  # set_state("failed") scheduled by the engine thread
 
     # ------------------------------------------------------------------------------ checks
     def check_model(self, name: str, version: str = "") -> None:
@@ -189,6 +190,20 @@ class Runtime:
                  code.name.lower(), peer, why)
 
     # ------------------------------------------------------------------------------ state
+    async def attach(self, engine: AsyncLLMEngine) -> None:
+        """Serve with this engine. Should its loop die, health turns NOT_SERVING at once, whether
+        or not a call is in flight (on_dead is called on the engine thread)."""
+        loop = asyncio.get_running_loop()
+        self.async_engine = engine
+        await self.set_state("serving")
+        engine.on_dead = lambda reason: loop.call_soon_threadsafe(self._engine_died, reason)
+        if engine.dead is not None:  # it died before on_dead was set
+            await self.set_state("failed", engine.failure_reason)
+
+    def _engine_died(self, reason: str) -> None:
+        """On the event loop, from on_dead: fail health now (the task is kept referenced until done)."""
+        self._failing = asyncio.ensure_future(self.set_state("failed", reason))
+
     async def set_state(self, state: str, reason: str | None = None) -> None:
         """Health follows the state: SERVING only while serving. The first failure's reason is kept."""
         if state == "failed" and self.failure_reason is None:

@@ -114,8 +114,7 @@ class BatonServer:
             log.info("loaded %s in %.1f s", cfg.model, time.monotonic() - t0)
         q = quantization_config(cfg.model)
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
-        self.rt.async_engine = self._engine
-        await self.rt.set_state("serving")
+        await self.rt.attach(self._engine)
         mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
         metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
         log.info("ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s", self.rt.model_name, cfg.host, self.port,

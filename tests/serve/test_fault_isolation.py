@@ -7,6 +7,7 @@ and then the server says why."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -263,6 +264,33 @@ def test_server_says_why_the_engine_died(llama_dir):
                 c.complete("The fox", max_tokens=4)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "restarted" in e.value.details() and info.failure_reason in e.value.details()
+    finally:
+        s.stop()
+
+
+def test_health_fails_as_soon_as_the_engine_dies_with_no_call_in_flight(llama_dir):
+    """The engine dies on a request no client waits for (added to the engine directly): health
+    turns NOT_SERVING and ServerInfo says why, with no generation call after the fault."""
+    s = ServerThread(llama_dir, num_kv_blocks=32)
+    core = s.server.rt.async_engine.engine
+
+    def corrupt(point, seq):
+        if point == "postprocess":
+            core.block_manager.blocks[seq.block_table[0]].ref_count += 1  # the KV recount will not add up
+            raise InjectedFault("fault that leaks a block")
+
+    try:
+        with BatonClient(s.target, timeout=30) as c:
+            assert c.health() == "SERVING"
+            core.fault_injector = corrupt
+            s.server.rt.async_engine.snapshot(lambda e: e.add_request("orphan", _rand(9, 12), GREEDY))
+            deadline = time.monotonic() + 20
+            while c.health() == "SERVING" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            info = c.server_info()
+            assert c.health() == "NOT_SERVING" and info.state == "failed"
+            assert "does not add up" in info.failure_reason and "KV block" in info.failure_reason
+            assert info.failure_reason == s.server.rt.async_engine.failure_reason
     finally:
         s.stop()
 

@@ -100,7 +100,8 @@ class SpeculativeDecoder:
         self.stats.steps += 1
         self.stats.proposed += len(proposals)
         self.stats.accepted += len(path)
-        self.adaptive_k.update(seq, len(proposals), len(path))
+        if not seq.is_finished:  # a finished sequence was already released (its rate forgotten)
+            self.adaptive_k.update(seq, len(proposals), len(path))
         if not seq.is_finished:
             bs = self.bm.block_size
             slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731

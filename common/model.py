@@ -12,6 +12,7 @@ recomputation and quantization are applied from outside (torchtitan style) and n
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -167,10 +168,17 @@ class DecoderModel(nn.Module):
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
+
+
+def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               attn: AttentionBackend) -> torch.Tensor:
+    """Hidden states x through decoder `layers`, rotated for `positions`: the decoder's body, also
+    run by a pipeline stage that holds some of the layers."""
+    cos, sin = rotary_cos_sin(inv_freq, positions, x.dtype)
+    for layer in layers:
+        x = layer(x, cos, sin, attn)
+    return x
 
 
 class CausalLM(nn.Module):

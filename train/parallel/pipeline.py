@@ -19,12 +19,12 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from baton.common.config import ModelConfig
-from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
-from baton.common.rope import rotary_cos_sin
+from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention, run_layers
 
 
 class ModelChunk(nn.Module):
-    """Embedding (first chunk), decoder layers `layers`, final norm + LM head (last chunk).
+    """Embedding (first chunk), decoder layers `layers`, final norm + LM head (last chunk): the
+    model's own modules, run as its forward runs them (common.model.run_layers).
 
     forward: token ids (first) or hidden states -> hidden states, or logits (last). RoPE positions
     are set from outside (`positions`, [S_local]) since later stages cannot see the tokens and
@@ -49,9 +49,7 @@ class ModelChunk(nn.Module):
         if self.has_embedding:
             x = self.model.embed_tokens(x)
         positions = self.positions.to(x.device).expand(x.shape[0], -1)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
-        for layer in self.model.layers.values():
-            x = layer(x, cos, sin, self.attn)
+        x = run_layers(self.model.layers.values(), x, positions, self.inv_freq, self.attn)
         if self.has_head:
             x = self.lm_head(self.model.norm(x))
         return x

@@ -2,7 +2,8 @@
 foundation's checkpoint format, with the tokenizer, for the server and for transformers.
 
 Consolidation reads the files (baton.train.universal), not a live engine, so it runs on one
-process after training, or later with `baton export`.
+process after training, or later with `baton export`. `write_handoff` is the one writer of
+trained weights into that format; everything that hands a model off goes through it.
 """
 
 from __future__ import annotations
@@ -11,11 +12,23 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
+from baton.common.config import ModelConfig
 from baton.train.checkpointing import find_checkpoint, read_state
 from baton.train.universal import read_any
 
 log = logging.getLogger(__name__)
+
+
+def write_handoff(out_dir: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor], *,
+                  tokenizer_dir: str | Path | None = None, metadata: HandoffMetadata | None = None) -> Path:
+    """Write whole trained weights (by parameter name, as training keeps them) to `out_dir` as a
+    handoff checkpoint in the config's dtype, atomically."""
+    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
+    state_dict = {name: weights[name].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
+    return save_checkpoint(out_dir, config, state_dict, tokenizer_dir=tokenizer_dir, metadata=metadata)
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
@@ -24,10 +37,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     ckpt = find_checkpoint(checkpoint)
     state = read_state(ckpt)
     config = read_config(ckpt)
-    weights = read_any(ckpt, state["layout"]["backend"], with_optimizer=False).weights
-    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
-    state_dict = {name: weights[name].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
     layout = state["layout"]
+    weights = read_any(ckpt, layout["backend"], with_optimizer=False).weights
     parallel = {"dp": layout["world_size"], "tp": 1, "pp": 1, "cp": 1}
     if (ckpt / "parallel_layout.json").is_file():  # backend torch3d records its dp x pp x cp x tp
         parallel = {k: v for k, v in json.loads((ckpt / "parallel_layout.json").read_text()).items() if k in parallel}
@@ -35,6 +46,6 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
         producer="baton train", step=state["step"], tokens_seen=state["tokens_seen"], parallel_layout=parallel,
         extra={"training": {"backend": layout["backend"], "zero_stage": layout["zero_stage"],
                             "source_checkpoint": str(ckpt.resolve())}})
-    out = save_checkpoint(out_dir, config, state_dict, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
+    out = write_handoff(out_dir, config, weights, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
     log.info("exported %s (step %d) to %s", ckpt, state["step"], out)
     return out

@@ -18,8 +18,6 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from baton.common.checkpoint import HandoffMetadata, expected_shapes, save_checkpoint
-from baton.common.config import ModelConfig
 from baton.train.parallel.parallelize import Parallel3D
 from baton.train.universal import UniversalState
 
@@ -74,11 +72,3 @@ def read_dcp(directory: str | Path, with_optimizer: bool = True) -> UniversalSta
             step = int(t.item())
     return UniversalState(weights, moments["exp_avg"], moments["exp_avg_sq"], step)
 
-
-def export_handoff(directory: str | Path, config: ModelConfig, out_dir: str | Path,
-                   metadata: HandoffMetadata | None = None, tokenizer_dir: str | Path | None = None) -> Path:
-    """Consolidate a DCP checkpoint of any layout into the handoff format the server loads."""
-    weights = read_dcp(directory, with_optimizer=False).weights
-    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
-    state_dict = {name: weights[name].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
-    return save_checkpoint(out_dir, config, state_dict, tokenizer_dir=tokenizer_dir, metadata=metadata)

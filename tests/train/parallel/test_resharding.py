@@ -10,7 +10,8 @@ from baton.common.model import CausalLM, greedy_generate
 from baton.serve.engine import EngineConfig
 from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
-from baton.train.parallel.checkpoint import export_handoff, read_dcp
+from baton.train.export import write_handoff
+from baton.train.parallel.checkpoint import read_dcp
 
 from .conftest import max_rel
 from .harness import MODEL, SAVE_AT, STEPS
@@ -40,7 +41,8 @@ def test_checkpoint_reads_as_whole_tensors(harness):
 
 def test_export_is_served_with_the_trainers_greedy_output(harness, tmp_path):
     run = harness.result("tp2_pp2")
-    handoff = export_handoff(harness.root / "tp2_pp2" / f"step_{STEPS}", MODEL, tmp_path / "handoff")
+    weights = read_dcp(harness.root / "tp2_pp2" / f"step_{STEPS}", with_optimizer=False).weights
+    handoff = write_handoff(tmp_path / "handoff", MODEL, weights)
     trained = CausalLM(MODEL)
     trained.load_state_dict(run["weights"])  # the trainer's model at the end, gathered from its 4 ranks
     prompts = [[5, 10, 15, 20], [7, 9, 11, 13, 15]]

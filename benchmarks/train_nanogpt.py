@@ -26,7 +26,7 @@ from baton.common.tokenizer import Tokenizer
 from baton.train.backends import lm_loss, param_groups
 from baton.train.config import load_config
 from baton.common.data import build_datasets
-from baton.train.sampler import GlobalBatches
+from baton.train.batches import GlobalBatches
 from baton.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,6 @@ base's handoff directory (medusa.safetensors + medusa_config.json), where the se
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from baton.common.config import ConfigError
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.tokenizer import Tokenizer
 from baton.common.data import DataConfig, build_datasets, torch_loader
+from baton.train.schedule import warmup_cosine
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class MedusaTrainConfig:
     steps: int = 300
     batch_size: int = 16
     lr: float = 1e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # then cosine decay to 0 at `steps` (baton.train.schedule)
     decay: float = 0.8  # weight of head k's loss: decay ** k
     seed: int = 1234
 
@@ -113,10 +113,8 @@ def train_medusa(cfg: MedusaTrainConfig) -> Path:
     bar = tqdm(range(cfg.steps), desc="medusa heads", unit="step", mininterval=2.0)
     start = time.perf_counter()
     for step in bar:
-        lr = cfg.lr * min(1.0, (step + 1) / max(1, cfg.warmup_steps))
-        lr *= 0.5 * (1 + math.cos(math.pi * step / cfg.steps)) if step >= cfg.warmup_steps else 1.0
         for group in opt.param_groups:
-            group["lr"] = lr
+            group["lr"] = warmup_cosine(step, cfg.lr, 0.0, cfg.warmup_steps, cfg.steps)
         batch = next(stream)
         with torch.no_grad():
             hidden = base.hidden(batch[:, :-1])

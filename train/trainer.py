@@ -1,8 +1,9 @@
 """The training loop (nanoGPT-shaped): data -> model -> AdamW with warmup+cosine -> handoff.
 
 One readable loop. What varies lives elsewhere: the recipe (config.py), how a step runs across
-processes (backends/), recomputation (recompute.py), checkpoints (checkpointing.py), logs and MFU
-(metrics.py) and the handoff (export.py). Every check that can fail runs before the first step.
+processes (backends/), the schedule (schedule.py), recomputation (recompute.py), checkpoints
+(checkpointing.py), logs and MFU (metrics.py) and the handoff (export.py). Every check that can
+fail runs before the first step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from baton.train.distributed import Dist, init_distributed, read_launch
 from baton.train.export import export_checkpoint
 from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
 from baton.train.recompute import apply_recompute
-from baton.train.sampler import DataPosition, GlobalBatches, micro_batches
+from baton.train.batches import DataPosition, GlobalBatches, micro_batches
+from baton.train.schedule import lr_at
 
 log = logging.getLogger(__name__)
 
@@ -46,15 +48,6 @@ class TrainResult:
     final_val_loss: float | None
     tokens_per_second: float  # training steps only (evaluation and checkpointing excluded)
     skipped_steps: int
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine decay to min_lr at max_steps."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = (step - o.warmup_steps) / max(1, cfg.max_steps - o.warmup_steps)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def prepare_tokenizer(cfg: TrainConfig, dist: Dist, resume: Path | None) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""Global batches in an order that does not depend on the world size.
+"""The training data, batch by batch: global batches in an order that does not depend on the
+world size, and each rank's micro-batches of them.
 
 Every optimizer step consumes the next `global_batch` blocks of a seeded per-epoch shuffle; each
 rank then takes its own micro-batches out of that global batch. The data position is therefore
@@ -47,6 +48,10 @@ class GlobalBatches:
 
     def state_dict(self) -> dict[str, int]:
         return asdict(self.position)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a saved position (state_dict() of the run resumed)."""
+        self.position, self._it = DataPosition(**state), None
 
 
 def micro_batches(batch: torch.Tensor, micro: int, accum: int, rank: int, world_size: int) -> list[torch.Tensor]:

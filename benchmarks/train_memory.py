@@ -78,8 +78,7 @@ def worker(mode: str, steps: int, out: str) -> None:
     for i in range(steps + 2):
         batch = torch.randint(0, MODEL["vocab_size"], (cfg.micro_batch_size, 129), generator=gen)
         t0 = time.perf_counter()
-        backend.forward_backward(batch, last=True)
-        backend.step(1e-4, True)
+        backend.train_step([batch], 1e-4)
         if i >= 2:
             times.append(time.perf_counter() - t0)
     report = backend.memory()

@@ -1,4 +1,5 @@
-"""Resumable training checkpoints: out_dir/checkpoints/step_XXXXXXXX/.
+"""Resumable training checkpoints: out_dir/checkpoints/step_XXXXXXXX/, and the `Checkpointer`
+that does all the trainer does with them (resume checks, resume, periodic saves, handoff).
 
 Each holds the backend's model + optimizer state (see baton.train.backends), trainer_state.json
 (step, data position, layout, tokens seen, skipped-step streak), every rank's RNG state, the
@@ -17,7 +18,7 @@ import logging
 import re
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ from baton.common.checkpoint import atomic_directory
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.hf import config_to_hf
 from baton.common.tokenizer import Tokenizer
+from baton.train import provenance
 from baton.train.backends import Backend, Layout
+from baton.train.batches import GlobalBatches
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 
@@ -143,3 +146,86 @@ def restore_rng(path: Path, dist: Dist, same_world_size: bool, seed: int, step: 
             torch.cuda.set_rng_state(rng["cuda"])
     else:
         torch.manual_seed(seed + 1_000_003 * step + dist.rank)
+
+
+@dataclass
+class TrainState:
+    """The loop's counters: what a checkpoint restores besides the model, optimizer, data and RNG."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    nan_streak: int = 0  # non-finite steps in a row, up to the last one
+    skipped_steps: int = 0
+
+
+class Checkpointer:
+    """The trainer's checkpoints behind three calls: maybe_resume, maybe_save, handoff.
+
+    Made during the checks, before any process group: the checkpoint to resume (checkpoint.resume)
+    is found and checked against this run, its batch and inputs (data, tokenizer, seeds:
+    baton.train.provenance). `bind` adds what is known later and saved with every checkpoint.
+    """
+
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int):
+        dp = cfg.data_parallel_size(world_size)
+        self.cfg, self.global_batch = cfg, cfg.global_batch(dp)
+        self.resume = resolve_resume(cfg)
+        self.saved = read_state(self.resume) if self.resume else None
+        self.inputs = provenance.describe(cfg)
+        if self.saved:
+            check_resumable(self.saved, self.resume, cfg, dp)
+            provenance.check_resume_inputs(self.saved, self.resume, cfg, self.inputs, main=rank == 0)
+        self.root = checkpoints_root(cfg.out_dir)
+        self.last: Path | None = self.resume  # the newest complete checkpoint of this run
+        self.dist: Dist | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.model_cfg: ModelConfig | None = None
+
+    def bind(self, dist: Dist, tokenizer: Tokenizer, model_cfg: ModelConfig) -> None:
+        """The process group, tokenizer and model, once known; the model is checked against the
+        checkpoint's (still before any work starts)."""
+        self.inputs = provenance.with_tokenizer(self.inputs, tokenizer)
+        if self.saved:
+            check_model(self.saved, self.resume, model_cfg)
+        self.dist, self.tokenizer, self.model_cfg = dist, tokenizer, model_cfg
+
+    def maybe_resume(self, backend: Backend, batches: GlobalBatches) -> TrainState:
+        """Collective: the checkpoint's model and optimizer into `backend`, its data position into
+        `batches` and its RNG state; the counters to go on from (zero for a fresh run)."""
+        if not self.saved:
+            return TrainState()
+        saved, dist = self.saved, self.dist
+        backend.load(self.resume, saved_layout(saved))
+        state = TrainState(saved["step"], saved["tokens_seen"], saved["nan_streak"], saved["skipped_steps"])
+        batches.load_state_dict(saved["data"])
+        restore_rng(self.resume, dist, saved["layout"]["world_size"] == dist.world_size, self.cfg.seed, state.step)
+        if dist.is_main:
+            log.info("resumed from %s at step %d", self.resume, state.step)
+        return state
+
+    def maybe_save(self, state: TrainState, applied: bool, backend: Backend, batches: GlobalBatches) -> None:
+        """Collective: after an applied step due for one (every checkpoint.interval steps, and the
+        last), save a checkpoint atomically and keep the newest checkpoint.keep_last. A skipped
+        step is never saved: the checkpoint stays the last good state."""
+        c = self.cfg.checkpoint
+        due = (c.interval and state.step % c.interval == 0) or state.step == self.cfg.max_steps
+        if not (applied and due):
+            return
+        self.last = self.root / f"step_{state.step:08d}"
+        trainer_state = {"step": state.step, "tokens_seen": state.tokens_seen, "data": batches.state_dict(),
+                         "global_batch": self.global_batch, "nan_streak": state.nan_streak,
+                         "skipped_steps": state.skipped_steps, "seed": self.cfg.seed, "inputs": self.inputs}
+        save(self.last, backend, self.dist, trainer_state, self.model_cfg, self.tokenizer)
+        if self.dist.is_main:
+            prune(self.root, c.keep_last)
+
+    def handoff(self) -> Path | None:
+        """Rank 0, at the end: the handoff checkpoint (out_dir/handoff) of the last checkpoint,
+        if the recipe exports and there is one."""
+        if not (self.dist.is_main and self.cfg.export and self.last is not None):
+            return None
+        from baton.train.export import export_checkpoint  # export reads checkpoints through this module
+
+        handoff = export_checkpoint(self.last, Path(self.cfg.out_dir) / "handoff")
+        log.info("handed off the trained model to %s", handoff)
+        return handoff

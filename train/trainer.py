@@ -1,15 +1,16 @@
-"""The training loop (nanoGPT-shaped): data -> model -> AdamW with warmup+cosine -> handoff.
+"""The training loop (torchtitan-shaped): data -> model -> AdamW with warmup+cosine -> handoff.
 
-One readable loop. What varies lives elsewhere: the recipe (config.py), how a step runs across
-processes (backends/), the schedule (schedule.py), recomputation (recompute.py), checkpoints
-(checkpointing.py), logs and MFU (metrics.py) and the handoff (export.py). Every check that can
-fail runs before the first step.
+`Trainer.train_step` is one optimizer step: this rank's micro-batches of the next global batch go
+to the backend, which runs forward, backward and the update at once; the trainer counts and logs.
+What varies lives elsewhere: the recipe (config.py), how a step runs across processes (backends/),
+the data order (batches.py), the schedule (schedule.py), recomputation (recompute.py), checkpoints,
+resume and handoff (checkpointing.py), logs and MFU (metrics.py). Every check that can fail runs
+before the first step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,18 +18,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from baton.common.data import build_datasets, read_texts, torch_loader
 from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
-from baton.train import checkpointing, provenance
-from baton.train.backends import Backend, build_backend
+from baton.train.backends import Backend, StepResult, build_backend
+from baton.train.batches import GlobalBatches, micro_batches
+from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
-from baton.common.data import build_datasets, read_texts, torch_loader
 from baton.train.distributed import Dist, init_distributed, read_launch
-from baton.train.export import export_checkpoint
 from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
 from baton.train.recompute import apply_recompute
-from baton.train.batches import DataPosition, GlobalBatches, micro_batches
 from baton.train.schedule import lr_at
 
 log = logging.getLogger(__name__)
@@ -81,138 +81,137 @@ def evaluate(backend: Backend, val_ds, cfg: TrainConfig) -> float | None:
     return sum(losses) / len(losses)
 
 
-def _check(cfg: TrainConfig, rank: int, world_size: int) -> tuple[Path | None, dict | None, dict]:
-    """Every check of the recipe against the world size, the machine and the checkpoint it resumes:
-    (checkpoint, its state, this run's inputs)."""
+def _check(cfg: TrainConfig, rank: int, world_size: int) -> Checkpointer:
+    """Every check of the recipe against the world size, the machine and the checkpoint it resumes;
+    the checkpointer that holds that checkpoint."""
     cfg.validate(cfg.data_parallel_size(world_size))
     if cfg.backend == "deepspeed":
         from baton.train.backends.deepspeed import check_environment
 
         check_environment(cfg)
-    resume = checkpointing.resolve_resume(cfg)
-    saved = checkpointing.read_state(resume) if resume else None
-    inputs = provenance.describe(cfg)
-    if saved:
-        checkpointing.check_resumable(saved, resume, cfg, cfg.data_parallel_size(world_size))
-        provenance.check_resume_inputs(saved, resume, cfg, inputs, main=rank == 0)
-    return resume, saved, inputs
+    return Checkpointer(cfg, rank, world_size)
+
+
+class Trainer:
+    """One run of the recipe on this rank: made (checks first, then data, model, backend and the
+    resume), then `fit` runs the steps and hands the model off."""
+
+    def __init__(self, cfg: TrainConfig):
+        # ---- checks: no process group is made, and nothing built or written, before these pass
+        launch = read_launch()
+        ckpt = _check(cfg, launch.rank, launch.world_size)
+        dist = init_distributed(need_group=cfg.backend in ("deepspeed", "torch3d"))
+        if (dist.rank, dist.world_size) != (launch.rank, launch.world_size):  # a caller made the group itself
+            ckpt = _check(cfg, dist.rank, dist.world_size)
+        self.cfg, self.dist, self.checkpointer = cfg, dist, ckpt
+        self.dp = cfg.data_parallel_size(dist.world_size)
+        self.dp_rank = cfg.data_parallel_rank(dist.rank, dist.world_size)
+
+        # ---- data, model, backend
+        torch.manual_seed(cfg.seed)
+        self.out_dir = Path(cfg.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        tok = prepare_tokenizer(cfg, dist, ckpt.resume)
+        model_cfg = cfg.model_config(tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                                     pad_token_id=tok.pad_token_id)
+        ckpt.bind(dist, tok, model_cfg)
+        if not dist.is_main:
+            dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
+        train_ds, self.val_ds = build_datasets(cfg.data, tok)
+        if dist.is_main:
+            dist.barrier()
+        self.accum, self.global_batch, seq = cfg.accum_steps(self.dp), cfg.global_batch(self.dp), cfg.data.seq_len
+        self.tokens_per_step = self.global_batch * seq
+        self.batches = GlobalBatches(train_ds, self.global_batch, cfg.seed)  # raises if the data is too small
+        begin_work()  # the checks are over: from here on, a ValueError is a bug, shown with its traceback
+        model = build_model(model_cfg, seed=cfg.seed)
+        attn = apply_recompute(model, cfg.recompute)
+        self.backend = build_backend(cfg, model, attn, dist)
+        if dist.is_main:
+            log.info("model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, world size %d, "
+                     "global batch %d = %d micro x %d accum x %d ranks", model_cfg.model_type,
+                     model_cfg.num_parameters() / 1e6, len(train_ds), len(self.val_ds), seq, cfg.backend,
+                     dist.world_size, self.global_batch, cfg.micro_batch_size, self.accum, self.dp)
+        self.state = ckpt.maybe_resume(self.backend, self.batches)
+
+        # ---- logs
+        self.metrics = MetricsLogger(self.out_dir, dist.is_main, self.state.step, cfg.logging.tensorboard)
+        device = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
+        self.peak = None
+        if cfg.logging.mfu:  # every rank at once: ranks sharing cores measure the share they get
+            self.peak = dist.all_reduce_sum(torch.tensor([measure_matmul_peak(device)], device=device)).item()
+        self.flops_per_token = flops_per_token(model_cfg, seq)
+        self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc="training", unit="step", dynamic_ncols=True,
+                        mininterval=2.0, disable=not (dist.is_main and cfg.logging.progress))
+        self.loss, self.val_loss, self.train_time, self.steps_timed = float("nan"), None, 0.0, 0
+
+    def fit(self) -> TrainResult:
+        """Every step up to max_steps, checkpointed as the recipe says, then the handoff."""
+        while self.state.step < self.cfg.max_steps:
+            result = self.train_step()
+            self.checkpointer.maybe_save(self.state, result.applied, self.backend, self.batches)
+        self.bar.close()
+        self.metrics.close()
+        if self.dist.is_main and self.cfg.logging.plot and self.metrics.records:
+            title = f"{self.out_dir.name}: {self.cfg.backend}"
+            plot_losses(self.metrics.records, self.out_dir / "loss.png", title=title)
+        handoff = self.checkpointer.handoff()
+        self.dist.barrier()
+        return TrainResult(handoff, self.checkpointer.last, self.state.step, self.state.tokens_seen, self.loss,
+                           self.val_loss, self._tokens_per_second(), self.state.skipped_steps)
+
+    def train_step(self) -> StepResult:
+        """One optimizer step: this rank's micro-batches -> the backend's step -> counts and logs."""
+        t0 = time.perf_counter()
+        lr = lr_at(self.state.step, self.cfg)
+        parts = micro_batches(self.batches.next(), self.cfg.micro_batch_size, self.accum, self.dp_rank, self.dp)
+        result = self.backend.train_step(parts, lr)
+        self.train_time, self.steps_timed = self.train_time + time.perf_counter() - t0, self.steps_timed + 1
+        self.state.step += 1
+        self.state.tokens_seen += self.tokens_per_step
+        self.loss = result.loss
+        self._count_skipped(result)
+        self._log(result, lr)
+        return result
+
+    def _count_skipped(self, result: StepResult) -> None:
+        """A skipped (non-finite) step is counted; too many in a row stop the run."""
+        state = self.state
+        if result.applied:
+            state.nan_streak = 0
+            return
+        state.nan_streak, state.skipped_steps = state.nan_streak + 1, state.skipped_steps + 1
+        if self.dist.is_main:
+            log.warning("step %d: non-finite loss (%s) or gradients (norm %s): update skipped (%d in a row)",
+                        state.step, result.loss, result.grad_norm, state.nan_streak)
+        if state.nan_streak >= self.cfg.max_nan_steps:
+            last = self.checkpointer.last
+            raise TrainingDiverged(f"{state.nan_streak} non-finite steps in a row at step {state.step}; stopping. The "
+                                   f"last good checkpoint is {last or 'none (none was saved yet)'}")
+
+    def _log(self, result: StepResult, lr: float) -> None:
+        """The step's record (with the validation loss when due) to the metrics and the progress bar."""
+        cfg, step = self.cfg, self.state.step
+        tps = self._tokens_per_second()
+        record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tps,
+                  "mfu": tps * self.flops_per_token / self.peak if self.peak else None, "skipped": not result.applied,
+                  "elapsed_s": self.train_time}
+        last = step == cfg.max_steps
+        if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
+            self.val_loss = record["val_loss"] = evaluate(self.backend, self.val_ds, cfg)
+            if self.dist.is_main:
+                log.info("step %d: train loss %.4f, val loss %s", step, result.loss,
+                         "n/a" if self.val_loss is None else f"{self.val_loss:.4f}")
+        if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
+            self.metrics.log(record)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
+
+    def _tokens_per_second(self) -> float:
+        """Over the training steps of this process (evaluation and checkpointing excluded)."""
+        return self.steps_timed * self.tokens_per_step / self.train_time if self.train_time else 0.0
 
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Train per the recipe; under a launcher (or srun), every rank calls this."""
-    # ---- checks: no process group is made, and nothing built or written, before these pass
-    launch = read_launch()
-    resume, saved, inputs = _check(cfg, launch.rank, launch.world_size)
-    dist = init_distributed(need_group=cfg.backend in ("deepspeed", "torch3d"))
-    if (dist.rank, dist.world_size) != (launch.rank, launch.world_size):  # a caller made the group itself
-        resume, saved, inputs = _check(cfg, dist.rank, dist.world_size)
-    dp, dp_rank = cfg.data_parallel_size(dist.world_size), cfg.data_parallel_rank(dist.rank, dist.world_size)
-
-    # ---- data, model, backend
-    torch.manual_seed(cfg.seed)
-    out_dir = Path(cfg.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok = prepare_tokenizer(cfg, dist, resume)
-    inputs = provenance.with_tokenizer(inputs, tok)
-    model_cfg = cfg.model_config(tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                                 pad_token_id=tok.pad_token_id)
-    if saved:
-        checkpointing.check_model(saved, resume, model_cfg)
-    if not dist.is_main:
-        dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
-    train_ds, val_ds = build_datasets(cfg.data, tok)
-    if dist.is_main:
-        dist.barrier()
-    accum, global_batch, seq = cfg.accum_steps(dp), cfg.global_batch(dp), cfg.data.seq_len
-    step, tokens_seen, nan_streak, skipped, position = 0, 0, 0, 0, DataPosition()
-    sampler = GlobalBatches(train_ds, global_batch, cfg.seed, position)  # raises if the data is too small
-    begin_work()  # the checks are over: from here on, a ValueError is a bug, shown with its traceback
-    model = build_model(model_cfg, seed=cfg.seed)
-    attn = apply_recompute(model, cfg.recompute)
-    backend = build_backend(cfg, model, attn, dist)
-    if dist.is_main:
-        log.info("model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, world size %d, "
-                 "global batch %d = %d micro x %d accum x %d ranks", model_cfg.model_type,
-                 model_cfg.num_parameters() / 1e6, len(train_ds), len(val_ds), seq, cfg.backend,
-                 dist.world_size, global_batch, cfg.micro_batch_size, accum, dp)
-    if saved:
-        backend.load(resume, checkpointing.saved_layout(saved))
-        step, tokens_seen, nan_streak = saved["step"], saved["tokens_seen"], saved["nan_streak"]
-        skipped = saved["skipped_steps"]
-        sampler.position = DataPosition(**saved["data"])
-        checkpointing.restore_rng(resume, dist, saved["layout"]["world_size"] == dist.world_size, cfg.seed, step)
-        if dist.is_main:
-            log.info("resumed from %s at step %d", resume, step)
-
-    metrics = MetricsLogger(out_dir, dist.is_main, step, cfg.logging.tensorboard)
-    device = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
-    peak = None
-    if cfg.logging.mfu:  # every rank at once: ranks sharing cores measure the share they get
-        peak = dist.all_reduce_sum(torch.tensor([measure_matmul_peak(device)], device=device)).item()
-    flops_tok = flops_per_token(model_cfg, seq)
-    root = checkpointing.checkpoints_root(out_dir)
-    last_ckpt = resume
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="training", unit="step", dynamic_ncols=True,
-               mininterval=2.0, disable=not (dist.is_main and cfg.logging.progress))
-    loss_value, val_loss, train_time, steps_timed = float("nan"), None, 0.0, 0
-
-    # ---- the loop
-    while step < cfg.max_steps:
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        batch = sampler.next()
-        parts = micro_batches(batch, cfg.micro_batch_size, accum, dp_rank, dp)
-        losses = [backend.forward_backward(mb, last=i == accum - 1) for i, mb in enumerate(parts)]
-        loss_sum = dist.all_reduce_sum(torch.stack(losses).sum().reshape(1).to(device))
-        loss_value = loss_sum.item() / (accum * dist.world_size)
-        result = backend.step(lr, math.isfinite(loss_value))
-        step += 1
-        tokens_seen += global_batch * seq
-        dt = time.perf_counter() - t0
-        train_time, steps_timed = train_time + dt, steps_timed + 1
-        tps = steps_timed * global_batch * seq / train_time
-        if result.applied:
-            nan_streak = 0
-        else:
-            nan_streak, skipped = nan_streak + 1, skipped + 1
-            if dist.is_main:
-                log.warning("step %d: non-finite loss (%s) or gradients (norm %s): update skipped (%d in a row)",
-                            step, loss_value, result.grad_norm, nan_streak)
-            if nan_streak >= cfg.max_nan_steps:
-                raise TrainingDiverged(f"{nan_streak} non-finite steps in a row at step {step}; stopping. The last "
-                                       f"good checkpoint is {last_ckpt or 'none (none was saved yet)'}")
-        record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tps,
-                  "mfu": tps * flops_tok / peak if peak else None, "skipped": not result.applied,
-                  "elapsed_s": train_time}
-        last = step == cfg.max_steps
-        if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
-            val_loss = record["val_loss"] = evaluate(backend, val_ds, cfg)
-            if dist.is_main:
-                log.info("step %d: train loss %.4f, val loss %s", step, loss_value,
-                         "n/a" if val_loss is None else f"{val_loss:.4f}")
-        if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
-            metrics.log(record)
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)
-        if result.applied and ((cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0) or last):
-            last_ckpt = root / f"step_{step:08d}"
-            trainer_state = {"step": step, "tokens_seen": tokens_seen, "data": sampler.state_dict(),
-                             "global_batch": global_batch, "nan_streak": nan_streak, "skipped_steps": skipped,
-                             "seed": cfg.seed, "inputs": inputs}
-            checkpointing.save(last_ckpt, backend, dist, trainer_state, model_cfg, tok)
-            if dist.is_main:
-                checkpointing.prune(root, cfg.checkpoint.keep_last)
-    bar.close()
-    metrics.close()
-
-    # ---- handoff
-    handoff = None
-    if dist.is_main:
-        if cfg.logging.plot and metrics.records:
-            plot_losses(metrics.records, out_dir / "loss.png", title=f"{out_dir.name}: {cfg.backend}")
-        if cfg.export and last_ckpt is not None:
-            handoff = export_checkpoint(last_ckpt, out_dir / "handoff")
-            log.info("handed off the trained model to %s", handoff)
-    dist.barrier()
-    return TrainResult(handoff, last_ckpt, step, tokens_seen, loss_value, val_loss,
-                       steps_timed * global_batch * seq / train_time if train_time else 0.0, skipped)
+    return Trainer(cfg).fit()

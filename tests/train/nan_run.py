@@ -25,7 +25,7 @@ def weights(backend) -> list[torch.Tensor]:
 
 def main(recipe: str, root: str, out: str) -> None:
     init_distributed(need_group=True)
-    real_loss, real_step = ds_backend.lm_loss, ds_backend.DeepSpeedBackend.step
+    real_loss, real_step = ds_backend.lm_loss, ds_backend.DeepSpeedBackend.train_step
     report = {}
     for stage in (0, 2, 3):
         calls, seen = {"n": 0}, []
@@ -35,13 +35,13 @@ def main(recipe: str, root: str, out: str) -> None:
             loss = real_loss(logits, batch)
             return loss * math.nan if (calls["n"] - 1) // 2 + 1 in BAD_STEPS else loss  # 2 micro-batches a step
 
-        def step(self, lr, finite):
+        def train_step(self, micro_batches, lr):
             before = weights(self)
-            result = real_step(self, lr, finite)
+            result = real_step(self, micro_batches, lr)
             seen.append([result.applied, all(torch.equal(a, b) for a, b in zip(before, weights(self)))])
             return result
 
-        ds_backend.lm_loss, ds_backend.DeepSpeedBackend.step = lm_loss, step
+        ds_backend.lm_loss, ds_backend.DeepSpeedBackend.train_step = lm_loss, train_step
         cfg = load_config(recipe, [f"out_dir={root}/z{stage}", "backend=deepspeed", f"deepspeed.stage={stage}",
                                    "max_steps=8", "export=false"])
         result = train(cfg)

@@ -121,15 +121,15 @@ def poison(monkeypatch, bad_steps: set[int], calls_per_step: int = 2):
 def test_non_finite_steps_are_skipped_and_leave_the_weights_alone(cfg_for, monkeypatch, caplog):
     poison(monkeypatch, {3, 4})
     seen = []
-    real_step = ddp.DDPBackend.step
+    real_step = ddp.DDPBackend.train_step
 
-    def step(self, lr, finite):
+    def train_step(self, micro_batches, lr):
         before = [p.detach().clone() for p in self.module.parameters()]
-        result = real_step(self, lr, finite)
+        result = real_step(self, micro_batches, lr)
         seen.append((result.applied, all(torch.equal(a, p) for a, p in zip(before, self.module.parameters()))))
         return result
 
-    monkeypatch.setattr(ddp.DDPBackend, "step", step)
+    monkeypatch.setattr(ddp.DDPBackend, "train_step", train_step)
     result = train(cfg_for("max_steps=8", "max_nan_steps=3", "export=false"))
     assert result.skipped_steps == 2 and math.isfinite(result.final_train_loss)
     assert seen[2] == seen[3] == (False, True)  # steps 3, 4: skipped, weights untouched

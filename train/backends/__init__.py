@@ -20,8 +20,11 @@ from baton.train.distributed import Dist
 
 @dataclass
 class StepResult:
+    """What one optimizer step did: all the training loop logs and counts."""
+
+    loss: float  # mean over the step's micro-batches on every rank
+    grad_norm: float | None  # before clipping (None: the backend did not report one)
     applied: bool  # False: the update was skipped (non-finite loss or gradients)
-    grad_norm: float | None
 
 
 @dataclass(frozen=True)
@@ -39,11 +42,11 @@ class Backend(Protocol):
     module: CausalLM  # the bare model (parameters may be ZeRO-3 partitions)
     layout: Layout
 
-    def forward_backward(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns the detached mean loss. `last`: the
-        step's final micro-batch, where gradients are reduced across ranks."""
-
-    def step(self, lr: float, loss_finite: bool) -> StepResult: ...
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        """Collective: one optimizer step at `lr` over this rank's micro-batches ([B, S+1] token
+        blocks, all of the step's at once: a pipeline schedule needs them together). Gradients are
+        those of the mean loss over every rank's micro-batches; a step whose loss or gradients are
+        not finite leaves the weights and the optimizer state as they were."""
 
     def eval_loss(self, batch: torch.Tensor) -> float: ...
 
@@ -68,6 +71,12 @@ def param_groups(model: CausalLM, weight_decay: float) -> tuple[list[dict[str, A
 def lm_loss(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in float32."""
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+
+
+def step_loss(dist: Dist, loss_sum: torch.Tensor, micro_batches: int) -> float:
+    """The step's loss from this rank's sum of micro-batch losses: the mean over every rank's
+    micro-batches, the same number on all ranks (so all skip a non-finite step together)."""
+    return dist.all_reduce_sum(loss_sum.reshape(1)).item() / (micro_batches * dist.world_size)
 
 
 def build_backend(cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist) -> Backend:

@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, lm_loss, param_groups
+from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.universal import UniversalState, read_any, write_universal
@@ -24,7 +24,6 @@ from baton.train.universal import UniversalState, read_any, write_universal
 class DDPBackend:
     def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
         self.module, self.attn, self.dist = model, attn, dist
-        self.accum = cfg.accum_steps(dist.world_size)
         self.grad_clip = cfg.optim.grad_clip
         self.layout = Layout("torch", dist.world_size)
         cuda = torch.cuda.is_available()
@@ -39,24 +38,28 @@ class DDPBackend:
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         self.named = dict(model.named_parameters())
 
-    def forward_backward(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
-        sync = last or not isinstance(self.model, DistributedDataParallel)
-        batch = batch.to(self.device)
-        with contextlib.nullcontext() if sync else self.model.no_sync():
-            loss = lm_loss(self.model(batch[:, :-1], attn=self.attn), batch)
-            (loss / self.accum).backward()
-        return loss.detach()
-
-    def step(self, lr: float, loss_finite: bool) -> StepResult:
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        losses = [self._forward_backward(mb, i == len(micro_batches) - 1, len(micro_batches))
+                  for i, mb in enumerate(micro_batches)]
+        loss = step_loss(self.dist, torch.stack(losses).sum(), len(micro_batches))
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else math.inf).item()
-        applied = loss_finite and math.isfinite(norm)
+        applied = math.isfinite(loss) and math.isfinite(norm)
         if applied:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(applied, norm)
+        return StepResult(loss, norm, applied)
+
+    def _forward_backward(self, batch: torch.Tensor, last: bool, accum: int) -> torch.Tensor:
+        """One micro-batch; DDP reduces the gradients across ranks on the last one only."""
+        sync = last or not isinstance(self.model, DistributedDataParallel)
+        batch = batch.to(self.device)
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            loss = lm_loss(self.model(batch[:, :-1], attn=self.attn), batch)
+            (loss / accum).backward()
+        return loss.detach()
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

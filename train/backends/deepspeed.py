@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -30,7 +31,7 @@ import torch
 from baton.common.config import ConfigError
 from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, lm_loss, param_groups
+from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
 from baton.train.config import TrainConfig
 from baton.train.deepspeed_config import ds_config
@@ -131,23 +132,24 @@ class DeepSpeedBackend:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, dist.world_size), dist_init_required=False)
 
-    def forward_backward(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
-        batch = batch.to(self.engine.device)
-        loss = lm_loss(self.engine(batch[:, :-1], attn=self.attn), batch)
-        self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
-        if not last:
-            self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count
-        return loss.detach()
-
-    def step(self, lr: float, loss_finite: bool) -> StepResult:
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        losses = []
+        for i, batch in enumerate(micro_batches):
+            batch = batch.to(self.engine.device)
+            loss = lm_loss(self.engine(batch[:, :-1], attn=self.attn), batch)
+            self.engine.backward(loss)  # DeepSpeed divides by the accumulation steps itself
+            if i < len(micro_batches) - 1:
+                self.engine.step()  # not a boundary: only advances DeepSpeed's micro-step count
+            losses.append(loss.detach())
+        loss = step_loss(self.dist, torch.stack(losses).sum(), len(micro_batches))
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self.engine.step()
+        self.engine.step()  # the boundary: reduce, clip and update, or skip a non-finite step
         applied = self.engine.was_step_applied()
-        if applied and not loss_finite:
+        if applied and not math.isfinite(loss):
             raise RuntimeError("DeepSpeed applied an update computed from a non-finite loss")
         norm = self.engine.get_global_grad_norm()
-        return StepResult(applied, None if norm is None else float(norm))
+        return StepResult(loss, None if norm is None else float(norm), applied)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:

@@ -3,16 +3,14 @@
 The layout comes from the recipe's `parallel` section (baton.train.parallel.layout). The model is
 parallelized from outside (baton.train.parallel.parallelize); checkpoints are DCP, written shard by
 shard under whole-parameter names, so a run resumes at any other layout, and the plain-PyTorch
-backend or `baton export` read them as whole tensors.
-
-The training loop hands over a step's micro-batches one by one; they are buffered and run together
-on the last one, because a pipeline schedule needs all of a step's micro-batches at once. The last
-call returns their summed loss (the others 0), which is all the loop does with them: it sums.
+backend or `baton export` read them as whole tensors. A step's micro-batches arrive together
+(train_step), as the pipeline schedule needs them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ import torch
 
 from baton.common.config import ConfigError
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult
+from baton.train.backends import Layout, StepResult, step_loss
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.parallel import checkpoint
@@ -42,18 +40,12 @@ class Torch3DBackend:
         self.module, self.dist, self.grad_clip = model, dist, cfg.optim.grad_clip
         self.layout = Layout("torch3d", dist.world_size)
         self.engine = Parallel3D(model, build_mesh(self.layout3d), accum, cfg.optim, attn=attn)
-        self._pending: list[torch.Tensor] = []
 
-    def forward_backward(self, batch: torch.Tensor, last: bool) -> torch.Tensor:
-        self._pending.append(batch)
-        if not last:
-            return torch.zeros((), device=self.engine.device)
-        parts, self._pending = self._pending, []
-        return self.engine.forward_backward(parts) * len(parts)
-
-    def step(self, lr: float, loss_finite: bool) -> StepResult:
-        applied, norm = self.engine.clip_and_step(lr, self.grad_clip, loss_finite)
-        return StepResult(applied, norm)
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        loss_sum = self.engine.forward_backward(micro_batches) * len(micro_batches)  # the replica's mean, summed
+        loss = step_loss(self.dist, loss_sum, len(micro_batches))
+        applied, norm = self.engine.clip_and_step(lr, self.grad_clip, math.isfinite(loss))
+        return StepResult(loss, norm, applied)
 
     def eval_loss(self, batch: torch.Tensor) -> float:
         return self.engine.eval_loss(batch)

@@ -41,8 +41,13 @@ from baton.kernels import rmsnorm, rotary, w8a8  # noqa: E402
 from baton.kernels import flash_attention as fa, paged_attention as pa  # noqa: E402
 from baton.common.rope import inv_frequencies, rotary_cos_sin  # noqa: E402
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 DEV = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
 TOL = {torch.float16: 2e-2, torch.bfloat16: 5e-2, torch.float32: 1e-4}  # max |err| / max |ref|
 FAILURES: list[str] = []
@@ -92,7 +97,7 @@ class Ceilings:
     def __init__(self):
         n = size(8192, 128)
         a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16 if not SMOKE else torch.float32)
-        self.tflops = 2 * n ** 3 / timeit(lambda: a @ a) / 1e9
+        self.tflops = 2 * n**3 / timeit(lambda: a @ a) / 1e9
         src = torch.empty(size(1 << 30, 1 << 20), dtype=torch.uint8, device=DEV)
         dst = torch.empty_like(src)
         self.gbps = 2 * src.numel() / timeit(lambda: dst.copy_(src)) / 1e6
@@ -136,8 +141,11 @@ def bench_attention(ceil: Ceilings, dtype, check_dtypes):
         for window in (None, size(256, 8)):
             q, k, v, cu, mx = _varlen(size([1, 100, 1000, 2048], [1, 20, 40]), hq, hkv, d, dt)
             kw = dict(causal=True, sliding_window=window)
-            check(f"flash fwd {dt} window={window}", fa.flash_attn_fwd_triton(q, k, v, cu, cu, mx, **kw)[0],
-                  ref.flash_attn_varlen_ref(q, k, v, cu, cu, mx, mx, **kw))
+            check(
+                f"flash fwd {dt} window={window}",
+                fa.flash_attn_fwd_triton(q, k, v, cu, cu, mx, **kw)[0],
+                ref.flash_attn_varlen_ref(q, k, v, cu, cu, mx, mx, **kw),
+            )
             qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
             dout = torch.randn_like(q)
             got = torch.autograd.grad(fa.flash_attn_varlen_triton(qr, kr, vr, cu, cu, mx, mx, **kw), (qr, kr, vr), dout)
@@ -151,10 +159,19 @@ def bench_attention(ceil: Ceilings, dtype, check_dtypes):
         ms = timeit(lambda: fa.flash_attn_fwd_triton(q, k, v, cu, cu, mx, sliding_window=window))
         qb, kb, vb = (x.view(seqs, seq_len, -1, d).transpose(1, 2) for x in (q, k, v))
         mask = None if window is None else ref.attention_mask(seq_len, seq_len, True, window, DEV)
-        sdpa = (lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True)) if window is None \
+        sdpa = (
+            (lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, enable_gqa=True))
+            if window is None
             else (lambda: F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=True))
-        report(f"fwd {seqs}x{seq_len} h{hq}/{hkv} d{d} win={window}", ms, flops=flops, base_ms=timeit(sdpa),
-               base_name="SDPA", ceil=ceil)
+        )
+        report(
+            f"fwd {seqs}x{seq_len} h{hq}/{hkv} d{d} win={window}",
+            ms,
+            flops=flops,
+            base_ms=timeit(sdpa),
+            base_name="SDPA",
+            ceil=ceil,
+        )
 
         qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
         out = fa.flash_attn_varlen_triton(qr, kr, vr, cu, cu, mx, mx, sliding_window=window)
@@ -175,7 +192,7 @@ def _paged(lens, hkv, d, dtype, block_size=16):
     tables = torch.zeros(len(lens), max(blocks_per_seq), dtype=torch.int32, device=DEV)
     start = 0
     for b, n in enumerate(blocks_per_seq):
-        tables[b, :n] = perm[start:start + n]
+        tables[b, :n] = perm[start : start + n]
         start += n
     return k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV)
 
@@ -188,15 +205,21 @@ def bench_paged(ceil: Ceilings, dtype, check_dtypes):
         k_cache, v_cache, tables, plens = _paged(prefix, hkv, d, dt)
         q, k, v, cu, mx = _varlen(new, hq, hkv, d, dt)
         args = (q, k, v, cu, k_cache, v_cache, tables, plens, mx)
-        check(f"paged prefix {dt}", fa.flash_attn_with_paged_prefix_triton(*args),
-              ref.flash_attn_with_paged_prefix_ref(*args))
+        check(
+            f"paged prefix {dt}",
+            fa.flash_attn_with_paged_prefix_triton(*args),
+            ref.flash_attn_with_paged_prefix_ref(*args),
+        )
         lens = size([1, 17, 1000, 5000], [1, 17, 70])
         k_cache, v_cache, tables, ctx = _paged(lens, hkv, d, dt)
         qd = torch.randn(len(lens), hq, d, device=DEV, dtype=dt)
         want = ref.paged_attention_decode_ref(qd, k_cache, v_cache, tables, ctx)
         for est in (None, 4.0, -1e3, 1e3):
-            check(f"decode {dt} estimate={est}", pa.paged_attention_decode_triton(
-                qd, k_cache, v_cache, tables, ctx, max_score_estimate=est), want)
+            check(
+                f"decode {dt} estimate={est}",
+                pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx, max_score_estimate=est),
+                want,
+            )
         kn, vn = torch.randn(2, 64, hkv, d, device=DEV, dtype=dt)
         slots = torch.randperm(k_cache.shape[0] * 16, device=DEV)[:64]
         slots[::7] = -1
@@ -221,18 +244,26 @@ def bench_paged(ceil: Ceilings, dtype, check_dtypes):
 
     # Decode is bandwidth-bound: bytes = the K and V actually read. Unified max pays when the
     # per-tile max/rescale work is not hidden under memory time (short splits, small batches).
-    for batch, lens in size([(1, [32768]), (8, [4096] * 8), (64, [1024] * 64), (16, [128, 32768] * 8)],
-                            [(2, [40, 130])]):
+    for batch, lens in size(
+        [(1, [32768]), (8, [4096] * 8), (64, [1024] * 64), (16, [128, 32768] * 8)], [(2, [40, 130])]
+    ):
         k_cache, v_cache, tables, ctx = _paged(lens, hkv, d, dtype)
         qd = torch.randn(batch, hq, d, device=DEV, dtype=dtype)
         nbytes = 2 * sum(lens) * hkv * d * k_cache.element_size()
         max_len = max(lens)
-        ms_std = timeit(lambda: pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx,
-                                                                 max_context_len=max_len))
-        ms_one = timeit(lambda: pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx,
-                                                                 max_context_len=max_len, num_splits=1))
-        ms_uni = timeit(lambda: pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx,
-                                                                 max_context_len=max_len, max_score_estimate=4.0))
+        ms_std = timeit(
+            lambda: pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx, max_context_len=max_len)
+        )
+        ms_one = timeit(
+            lambda: pa.paged_attention_decode_triton(
+                qd, k_cache, v_cache, tables, ctx, max_context_len=max_len, num_splits=1
+            )
+        )
+        ms_uni = timeit(
+            lambda: pa.paged_attention_decode_triton(
+                qd, k_cache, v_cache, tables, ctx, max_context_len=max_len, max_score_estimate=4.0
+            )
+        )
         kc = torch.zeros(batch, hkv, max_len, d, device=DEV, dtype=dtype)
         mask = torch.arange(max_len, device=DEV)[None, None, None, :] < ctx[:, None, None, None]
         base = timeit(lambda: F.scaled_dot_product_attention(qd[:, :, None], kc, kc, attn_mask=mask, enable_gqa=True))
@@ -259,17 +290,35 @@ def bench_elementwise(ceil: Ceilings, dtype, check_dtypes):
     x, res = torch.randn(2, rows, hidden, device=DEV, dtype=dtype)
     w = torch.rand(hidden, device=DEV, dtype=dtype)
     ms = timeit(lambda: rmsnorm.rms_norm_triton(x, w, 1e-5, res))
-    report(f"rms_norm+residual {rows}x{hidden}", ms, nbytes=4 * x.numel() * x.element_size(),
-           base_ms=timeit(lambda: ref.rms_norm_ref(x, w, 1e-5, res)), base_name="torch", ceil=ceil)
+    report(
+        f"rms_norm+residual {rows}x{hidden}",
+        ms,
+        nbytes=4 * x.numel() * x.element_size(),
+        base_ms=timeit(lambda: ref.rms_norm_ref(x, w, 1e-5, res)),
+        base_name="torch",
+        ceil=ceil,
+    )
     q, k = torch.randn(rows, hq, d, device=DEV, dtype=dtype), torch.randn(rows, hkv, d, device=DEV, dtype=dtype)
     cos, sin = rotary_cos_sin(inv_frequencies(d), torch.arange(rows, device=DEV), dtype)
     ms = timeit(lambda: rotary.apply_rotary_triton(q, k, cos, sin))
-    report(f"rotary {rows} tokens h{hq}/{hkv}", ms, nbytes=2 * (q.numel() + k.numel() + cos.numel()) * q.element_size(),
-           base_ms=timeit(lambda: rotary.apply_rotary_torch(q, k, cos, sin)), base_name="torch", ceil=ceil)
+    report(
+        f"rotary {rows} tokens h{hq}/{hkv}",
+        ms,
+        nbytes=2 * (q.numel() + k.numel() + cos.numel()) * q.element_size(),
+        base_ms=timeit(lambda: rotary.apply_rotary_torch(q, k, cos, sin)),
+        base_name="torch",
+        ceil=ceil,
+    )
     g, u = torch.randn(2, rows, inter, device=DEV, dtype=dtype)
     ms = timeit(lambda: activation.swiglu_triton(g, u))
-    report(f"swiglu {rows}x{inter}", ms, nbytes=3 * g.numel() * g.element_size(),
-           base_ms=timeit(lambda: F.silu(g) * u), base_name="torch", ceil=ceil)
+    report(
+        f"swiglu {rows}x{inter}",
+        ms,
+        nbytes=3 * g.numel() * g.element_size(),
+        base_ms=timeit(lambda: F.silu(g) * u),
+        base_name="torch",
+        ceil=ceil,
+    )
 
 
 def bench_quant(ceil: Ceilings, dtype, check_dtypes):
@@ -282,8 +331,11 @@ def bench_quant(ceil: Ceilings, dtype, check_dtypes):
     for dt in check_dtypes:
         x = torch.randn(37, k, device=DEV, dtype=dt)
         check(f"int8 weight {dt}", qm.int8_weight_matmul_triton(x, w8, s8), ref.int8_weight_matmul_ref(x, w8, s8))
-        check(f"int4 weight {dt}", qm.int4_weight_matmul_triton(x, w4, s4, z4, 128),
-              ref.int4_weight_matmul_ref(x, w4, s4, z4, 128))
+        check(
+            f"int4 weight {dt}",
+            qm.int4_weight_matmul_triton(x, w4, s4, z4, 128),
+            ref.int4_weight_matmul_ref(x, w4, s4, z4, 128),
+        )
         check(f"fp8 weight {dt}", qm.fp8_weight_matmul_triton(x, wf, sf), ref.fp8_weight_matmul_ref(x, wf, sf))
         xq, xs = w8a8.quantize_per_token_triton(x)
         check(f"quantize_per_token {dt}", xq.float() * xs[:, None], x.float(), tol=0.5 / 127 + 1e-3)  # half a step
@@ -301,14 +353,21 @@ def bench_quant(ceil: Ceilings, dtype, check_dtypes):
         ):
             ms = timeit(fn)
             metric = dict(nbytes=wbytes + x.numel() * 2) if weight_bound else dict(flops=2 * m * n * k)
-            report(f"{name} weight-only M={m} {n}x{k}", ms, base_ms=dense, base_name="cuBLAS dense", ceil=ceil,
-                   **metric)
+            report(
+                f"{name} weight-only M={m} {n}x{k}", ms, base_ms=dense, base_name="cuBLAS dense", ceil=ceil, **metric
+            )
         if m >= 32:  # torch._int_mm needs M > 16
             xq, xs = w8a8.quantize_per_token_triton(x)
             ms = timeit(lambda: w8a8.w8a8_matmul_triton(xq, xs, w8, s8, dtype))
             base = timeit(lambda: torch._int_mm(xq, w8.T)) if DEV.type == "cuda" else None
-            report(f"w8a8 M={m} {n}x{k}", ms, flops=2 * m * n * k, base_ms=base, base_name="_int_mm (no epilogue)",
-                   ceil=ceil)
+            report(
+                f"w8a8 M={m} {n}x{k}",
+                ms,
+                flops=2 * m * n * k,
+                base_ms=base,
+                base_name="_int_mm (no epilogue)",
+                ceil=ceil,
+            )
             ms = timeit(lambda: w8a8.quantize_per_token_triton(x))
             report(f"quantize_per_token {m}x{k}", ms, nbytes=3 * x.numel(), ceil=ceil)
 
@@ -341,10 +400,20 @@ def main() -> int:
             traceback.print_exc()
             FAILURES.append(f"section {SECTION} stopped: {type(e).__name__}: {e}")
         # rewritten after every section, so a run stopped at its time limit still leaves what it measured
-        (out / "kernels_gpu.json").write_text(json.dumps({
-            "device": device, "timing_dtype": str(dtype), "ceilings": {"matmul_tflops": ceil.tflops,
-                                                                        "copy_gbps": ceil.gbps},
-            "checks": CHECKS, "timings": ROWS, "failures": FAILURES}, indent=2) + "\n")
+        (out / "kernels_gpu.json").write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "timing_dtype": str(dtype),
+                    "ceilings": {"matmul_tflops": ceil.tflops, "copy_gbps": ceil.gbps},
+                    "checks": CHECKS,
+                    "timings": ROWS,
+                    "failures": FAILURES,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     plot(ROWS, device, out / "kernels_gpu.png")
     print(f"wrote {out / 'kernels_gpu.json'} and {out / 'kernels_gpu.png'}")
     print(f"\n{len(FAILURES)} failure(s)" + "".join(f"\n  {f}" for f in FAILURES))
@@ -363,8 +432,11 @@ def plot(rows: list[dict], device: str, path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(14, 0.28 * len(rows) + 1.5), sharey=True)
     a.barh(names, [r["pct_of_ceiling"] for r in rows][::-1], color=[colours[r["section"]] for r in rows][::-1])
     a.set_xlabel("% of measured ceiling (matmul TFLOP/s or copy GB/s)")
-    b.barh(names, [r["baseline_ms"] / r["ms"] if r["baseline_ms"] else 0 for r in rows][::-1],
-           color=[colours[r["section"]] for r in rows][::-1])
+    b.barh(
+        names,
+        [r["baseline_ms"] / r["ms"] if r["baseline_ms"] else 0 for r in rows][::-1],
+        color=[colours[r["section"]] for r in rows][::-1],
+    )
     b.axvline(1.0, color="k", lw=0.8)
     b.set_xlabel("speed-up over baseline (x; 0 = no baseline)")
     a.tick_params(axis="y", labelsize=7)

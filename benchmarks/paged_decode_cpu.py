@@ -42,7 +42,7 @@ def case(heads: tuple[int, int], head_dim: int, lens: list[int], rng: random.Ran
     tables, at = torch.zeros(len(lens), width, dtype=torch.int32), 0
     for r, n in enumerate(lens):
         nb = -(-n // BLOCK)
-        tables[r, :nb] = torch.tensor(ids[at:at + nb], dtype=torch.int32)
+        tables[r, :nb] = torch.tensor(ids[at : at + nb], dtype=torch.int32)
         at += nb
     return torch.randn(len(lens), hq, head_dim), k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
@@ -86,14 +86,27 @@ def main() -> None:
                 t_cpp = timed(paged_attention_decode_cpu, c, reps)
                 t_torch = timed(paged_attention_decode_torch, c, reps)
                 kv_bytes = 2 * sum(lens) * heads[1] * head_dim * 4
-                rows.append({"heads": f"{heads[0]}/{heads[1]}", "head_dim": head_dim, "lengths": mix, "batch": batch,
-                             "tokens": sum(lens), "cpp_ms": t_cpp * 1e3, "torch_ms": t_torch * 1e3,
-                             "speedup": t_torch / t_cpp, "cpp_gbs": kv_bytes / t_cpp / 1e9,
-                             "torch_gbs": kv_bytes / t_torch / 1e9})
+                rows.append(
+                    {
+                        "heads": f"{heads[0]}/{heads[1]}",
+                        "head_dim": head_dim,
+                        "lengths": mix,
+                        "batch": batch,
+                        "tokens": sum(lens),
+                        "cpp_ms": t_cpp * 1e3,
+                        "torch_ms": t_torch * 1e3,
+                        "speedup": t_torch / t_cpp,
+                        "cpp_gbs": kv_bytes / t_cpp / 1e9,
+                        "torch_gbs": kv_bytes / t_torch / 1e9,
+                    }
+                )
                 r = rows[-1]
-                print(f"{r['heads']:>5} D{head_dim:<3} {mix:>6} b{batch:<4} C++ {r['cpp_ms']:8.3f} ms "
-                      f"({r['cpp_gbs']:5.1f} GB/s)  torch {r['torch_ms']:8.3f} ms ({r['torch_gbs']:5.1f} GB/s)  "
-                      f"{r['speedup']:5.2f}x", flush=True)
+                print(
+                    f"{r['heads']:>5} D{head_dim:<3} {mix:>6} b{batch:<4} C++ {r['cpp_ms']:8.3f} ms "
+                    f"({r['cpp_gbs']:5.1f} GB/s)  torch {r['torch_ms']:8.3f} ms ({r['torch_gbs']:5.1f} GB/s)  "
+                    f"{r['speedup']:5.2f}x",
+                    flush=True,
+                )
     print(f"copy ceiling (read + write): {ceiling:.1f} GB/s; {torch.get_num_threads()} threads")
     RESULTS.mkdir(exist_ok=True)
     out = {"threads": torch.get_num_threads(), "copy_ceiling_gbs": ceiling, "block_size": BLOCK, "rows": rows}

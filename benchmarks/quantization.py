@@ -39,21 +39,32 @@ from baton.serve.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = "quality,kv_cache,pruning,matmul_paths,speed"
-SPEED_MODEL = dict(vocab_size=8192, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                   num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512)
+SPEED_MODEL = dict(
+    vocab_size=8192,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=512,
+)
 METHODS = [  # (label, config)
-    ("RTN int8", QuantConfig("rtn", 8)), ("GPTQ int8", QuantConfig("gptq", 8)),
-    ("RTN int4 g128", QuantConfig("rtn", 4, 128)), ("GPTQ int4 g128", QuantConfig("gptq", 4, 128)),
+    ("RTN int8", QuantConfig("rtn", 8)),
+    ("GPTQ int8", QuantConfig("gptq", 8)),
+    ("RTN int4 g128", QuantConfig("rtn", 4, 128)),
+    ("GPTQ int4 g128", QuantConfig("gptq", 4, 128)),
     ("GPTQ int4 g128 act-order", QuantConfig("gptq", 4, 128, act_order=True)),
     ("AWQ int4 g128", QuantConfig("awq", 4, 128)),
-    ("RTN int4 g32", QuantConfig("rtn", 4, 32)), ("GPTQ int4 g32", QuantConfig("gptq", 4, 32)),
+    ("RTN int4 g32", QuantConfig("rtn", 4, 32)),
+    ("GPTQ int4 g32", QuantConfig("gptq", 4, 32)),
     ("AWQ int4 g32", QuantConfig("awq", 4, 32)),
     ("SmoothQuant W8A8 a=0.5", QuantConfig("smoothquant", 8, alpha=0.5)),
     ("SmoothQuant W8A8 a=auto", QuantConfig("smoothquant", 8, alpha=None)),
     ("FP8 e4m3", QuantConfig("fp8", 8)),
 ]
 SPEED_FORMATS = [  # (label, QuantConfig or None for float, weight dtype, activation dtype in the quantized linears)
-    ("fp32", None, "float32", None), ("bf16", None, "bfloat16", None),
+    ("fp32", None, "float32", None),
+    ("bf16", None, "bfloat16", None),
     ("int8 (fp32 act)", QuantConfig("rtn", 8), "float32", None),
     ("int8 (bf16 act)", QuantConfig("rtn", 8), "float32", "bfloat16"),
     ("int4 g128", QuantConfig("rtn", 4, 128), "float32", None),
@@ -72,8 +83,18 @@ def quality(demo: Path, work: Path, quick: bool) -> list[dict]:
     tokens = heldout_tokens(ecfg, tok)
     ref = load_checkpoint(demo).model.eval()
     base = evaluate(ref, tokens, ecfg)
-    rows = [{"method": "fp32", "bits": 32, "perplexity": base.perplexity, "delta": 0.0, "top1": 1.0, "greedy": 1.0,
-             "size_mb": size_mb(demo), "seconds": 0.0}]
+    rows = [
+        {
+            "method": "fp32",
+            "bits": 32,
+            "perplexity": base.perplexity,
+            "delta": 0.0,
+            "top1": 1.0,
+            "greedy": 1.0,
+            "size_mb": size_mb(demo),
+            "seconds": 0.0,
+        }
+    ]
     calib = CalibrationConfig(num_samples=32 if quick else 128)
     for label, qcfg in METHODS[:4] if quick else METHODS:
         t = time.perf_counter()
@@ -83,15 +104,25 @@ def quality(demo: Path, work: Path, quick: bool) -> list[dict]:
         for act, suffix in ((None, ""), (torch.bfloat16, " (bf16 act)")) if qcfg.format == "int8" else ((None, ""),):
             set_compute_dtype(model, act)
             r = evaluate(model, tokens, ecfg, ref)
-            rows.append({"method": label + suffix, "bits": qcfg.bits, "perplexity": r.perplexity, "delta": r.perplexity_delta,
-                         "top1": r.top1_agreement, "greedy": r.greedy_match, "size_mb": size_mb(out), "seconds": seconds})
+            rows.append(
+                {
+                    "method": label + suffix,
+                    "bits": qcfg.bits,
+                    "perplexity": r.perplexity,
+                    "delta": r.perplexity_delta,
+                    "top1": r.top1_agreement,
+                    "greedy": r.greedy_match,
+                    "size_mb": size_mb(out),
+                    "seconds": seconds,
+                }
+            )
     return rows
 
 
 def kv_quality(demo: Path, quick: bool) -> list[dict]:
     """Greedy continuations of held-out prompts with a quantized KV cache vs the float cache."""
     tokens = heldout_tokens(EvalConfig(), Tokenizer.from_dir(demo))
-    prompts = [tokens[i:i + 64].tolist() for i in range(0, 64 * (8 if quick else 32), 64)]
+    prompts = [tokens[i : i + 64].tolist() for i in range(0, 64 * (8 if quick else 32), 64)]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     rows, ref = [], None
     for kind in ("auto", "int8", "fp8"):
@@ -100,8 +131,14 @@ def kv_quality(demo: Path, quick: bool) -> list[dict]:
         ref = ref or outs
         prefix = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(r)) / len(r) for o, r in zip(outs, ref)]
         same = sum(a == b for o, r in zip(outs, ref) for a, b in zip(o, r)) / sum(map(len, ref))
-        rows.append({"kv_cache": kind, "block_bytes": engine.runner.kv_caches[0][0][0].nbytes * 2 * len(engine.runner.kv_caches),
-                     "token_agreement": same, "greedy_match": sum(prefix) / len(prefix)})
+        rows.append(
+            {
+                "kv_cache": kind,
+                "block_bytes": engine.runner.kv_caches[0][0][0].nbytes * 2 * len(engine.runner.kv_caches),
+                "token_agreement": same,
+                "greedy_match": sum(prefix) / len(prefix),
+            }
+        )
     return rows
 
 
@@ -121,13 +158,32 @@ def pruning(demo: Path, work: Path, quick: bool) -> list[dict]:
     tokens = heldout_tokens(ecfg, tok)
     base = load_checkpoint(demo)
     params0 = base.config.num_parameters()
-    rows = [{"heads": 0.0, "channels": 0.0, "removed": 0.0, "perplexity": evaluate(base.model.eval(), tokens, ecfg).perplexity}]
-    grid = [(0, 0.25), (0, 0.5)] if quick else [(0, 0.125), (0, 0.25), (0, 0.375), (0, 0.5), (0, 0.75), (0.5, 0), (0.5, 0.25), (0.5, 0.5)]
+    rows = [
+        {
+            "heads": 0.0,
+            "channels": 0.0,
+            "removed": 0.0,
+            "perplexity": evaluate(base.model.eval(), tokens, ecfg).perplexity,
+        }
+    ]
+    grid = (
+        [(0, 0.25), (0, 0.5)]
+        if quick
+        else [(0, 0.125), (0, 0.25), (0, 0.375), (0, 0.5), (0, 0.75), (0.5, 0), (0.5, 0.25), (0.5, 0.5)]
+    )
     for heads, channels in grid:
-        out = prune_checkpoint(demo, work / f"prune-{heads}-{channels}", PruneConfig(heads, channels), CalibrationConfig(num_samples=32))
+        out = prune_checkpoint(
+            demo, work / f"prune-{heads}-{channels}", PruneConfig(heads, channels), CalibrationConfig(num_samples=32)
+        )
         ckpt = load_checkpoint(out)
-        rows.append({"heads": heads, "channels": channels, "removed": 1 - ckpt.config.num_parameters() / params0,
-                     "perplexity": evaluate(ckpt.model.eval(), tokens, ecfg).perplexity})
+        rows.append(
+            {
+                "heads": heads,
+                "channels": channels,
+                "removed": 1 - ckpt.config.num_parameters() / params0,
+                "perplexity": evaluate(ckpt.model.eval(), tokens, ecfg).perplexity,
+            }
+        )
     return rows
 
 
@@ -163,8 +219,11 @@ def matmul_paths(m: int = 1, k: int = 2816, n: int = 1024) -> dict[str, float]:
         "int8 weight, bf16 act (_weight_int8pack_mm)": _time(lambda: int8_weight_matmul(xb, q8, s8)),
         "int4 weight (kernels CPU path: dequantize + matmul)": _time(lambda: int4_weight_matmul(x, p4, s4, z4, 128)),
         "int4 weight, bf16 act (_weight_int4pack_mm_for_cpu, not wired)": _time(
-            lambda: torch._weight_int4pack_mm_for_cpu(xb, tiny, 128, sz)),
-        "W8A8 (quantize_per_token + _int_mm)": _time(lambda: w8a8_matmul(*quantize_per_token(x), q8, s8, torch.float32)),
+            lambda: torch._weight_int4pack_mm_for_cpu(xb, tiny, 128, sz)
+        ),
+        "W8A8 (quantize_per_token + _int_mm)": _time(
+            lambda: w8a8_matmul(*quantize_per_token(x), q8, s8, torch.float32)
+        ),
         "fp8 weight (dequantize + matmul)": _time(lambda: fp8_weight_matmul(x, f8, sf), reps=3),
     }
 
@@ -190,7 +249,9 @@ def serve_one(ckpt: str, act: str | None, batch: int, new_tokens: int) -> dict:
     import psutil
 
     # VmHWM, not getrusage's ru_maxrss: Linux carries the parent's peak into a forked-and-exec'd child.
-    hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM"))
+    hwm = next(
+        int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM")
+    )
     return {"tokens_per_s": best, "rss_mb": psutil.Process().memory_info().rss / 2**20, "peak_rss_mb": hwm / 1024}
 
 
@@ -209,14 +270,34 @@ def speed(work: Path, quick: bool) -> list[dict]:
                 save_quantized(ckpt, quantize_model(model, qcfg, torch.randint(0, cfg.vocab_size, (8, 512))), qcfg)
         row = {"format": label, "weights_mb": size_mb(ckpt)}
         for batch in (1, 16):
-            cmd = [sys.executable, __file__, "--serve-one", str(ckpt), "--batch", str(batch), "--act", act or "",
-                   "--threads", str(torch.get_num_threads()),
-                   "--new-tokens", "8" if quick else "32"]
-            r = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1])
-            row[f"tok_s_b{batch}"], row[f"rss_mb_b{batch}"], row[f"peak_mb_b{batch}"] = r["tokens_per_s"], r["rss_mb"], r["peak_rss_mb"]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--serve-one",
+                str(ckpt),
+                "--batch",
+                str(batch),
+                "--act",
+                act or "",
+                "--threads",
+                str(torch.get_num_threads()),
+                "--new-tokens",
+                "8" if quick else "32",
+            ]
+            r = json.loads(
+                subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+            )
+            row[f"tok_s_b{batch}"], row[f"rss_mb_b{batch}"], row[f"peak_mb_b{batch}"] = (
+                r["tokens_per_s"],
+                r["rss_mb"],
+                r["peak_rss_mb"],
+            )
         rows.append(row)
-        print(f"  {label:<18} {row['weights_mb']:8.1f} MB  b1 {row['tok_s_b1']:7.1f} tok/s  b16 {row['tok_s_b16']:7.1f} tok/s  "
-              f"RSS {row['rss_mb_b16']:.0f} MB (peak {row['peak_mb_b16']:.0f})", flush=True)
+        print(
+            f"  {label:<18} {row['weights_mb']:8.1f} MB  b1 {row['tok_s_b1']:7.1f} tok/s  b16 {row['tok_s_b16']:7.1f} tok/s  "
+            f"RSS {row['rss_mb_b16']:.0f} MB (peak {row['peak_mb_b16']:.0f})",
+            flush=True,
+        )
     return rows
 
 
@@ -224,8 +305,10 @@ def report(r: dict) -> None:
     print(f"\nquality on the demo model ({r['demo']}), held-out perplexity (window 128, stride 64)")
     print(f"{'method':<30}{'ppl':>8}{'delta':>9}{'top1':>7}{'greedy':>8}{'MB':>7}{'quant s':>9}")
     for x in r["quality"]:
-        print(f"{x['method']:<30}{x['perplexity']:>8.3f}{x['delta']:>+9.2%}{x['top1']:>7.3f}{x['greedy']:>8.3f}"
-              f"{x['size_mb']:>7.2f}{x['seconds']:>9.1f}")
+        print(
+            f"{x['method']:<30}{x['perplexity']:>8.3f}{x['delta']:>+9.2%}{x['top1']:>7.3f}{x['greedy']:>8.3f}"
+            f"{x['size_mb']:>7.2f}{x['seconds']:>9.1f}"
+        )
     print(f"\n{'KV cache':<10}{'bytes/block':>12}{'token agree':>13}{'greedy':>8}")
     for x in r["kv_cache"]:
         print(f"{x['kv_cache']:<10}{x['block_bytes']:>12}{x['token_agreement']:>13.3f}{x['greedy_match']:>8.3f}")
@@ -235,12 +318,16 @@ def report(r: dict) -> None:
     print("\nCPU matmul paths, [1 x 2816] x [2816 x 1024] (ms)")
     for k, v in r["matmul_paths"].items():
         print(f"  {k:<62}{v:>8.3f}")
-    print(f"\nserving {r['speed_params'] / 1e6:.0f}M-param random model, decode tokens/s and memory (fresh process each;"
-          " RSS = resident after serving, peak = max incl. loading)")
+    print(
+        f"\nserving {r['speed_params'] / 1e6:.0f}M-param random model, decode tokens/s and memory (fresh process each;"
+        " RSS = resident after serving, peak = max incl. loading)"
+    )
     print(f"{'format':<18}{'weights MB':>11}{'b1 tok/s':>10}{'b16 tok/s':>11}{'RSS b16 MB':>12}{'peak b16 MB':>13}")
     for x in r["speed"]:
-        print(f"{x['format']:<18}{x['weights_mb']:>11.1f}{x['tok_s_b1']:>10.1f}{x['tok_s_b16']:>11.1f}"
-              f"{x['rss_mb_b16']:>12.0f}{x['peak_mb_b16']:>13.0f}")
+        print(
+            f"{x['format']:<18}{x['weights_mb']:>11.1f}{x['tok_s_b1']:>10.1f}{x['tok_s_b16']:>11.1f}"
+            f"{x['rss_mb_b16']:>12.0f}{x['peak_mb_b16']:>13.0f}"
+        )
 
 
 def plot(r: dict) -> None:
@@ -257,7 +344,9 @@ def plot(r: dict) -> None:
     p = sorted(r["pruning"], key=lambda x: x["removed"])
     for heads in sorted({x["heads"] for x in p}):
         pts = [x for x in p if x["heads"] == heads or x["removed"] == 0]
-        ax[1].plot([100 * x["removed"] for x in pts], [x["perplexity"] for x in pts], "o-", label=f"heads removed {heads:.0%}")
+        ax[1].plot(
+            [100 * x["removed"] for x in pts], [x["perplexity"] for x in pts], "o-", label=f"heads removed {heads:.0%}"
+        )
     ax[1].set(xlabel="% parameters removed", ylabel="perplexity", title="structured pruning (no recovery fine-tune)")
     ax[1].legend()
     s = r["speed"]
@@ -289,8 +378,11 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="baton-quant-bench-"))
     sections = args.sections.split(",")
-    r: dict = {"threads": torch.get_num_threads(), "speed_model": SPEED_MODEL,
-               "speed_params": ModelConfig(**SPEED_MODEL).num_parameters()}
+    r: dict = {
+        "threads": torch.get_num_threads(),
+        "speed_model": SPEED_MODEL,
+        "speed_params": ModelConfig(**SPEED_MODEL).num_parameters(),
+    }
     demo = args.demo
     if demo is None and {"quality", "kv_cache", "pruning"} & set(sections):
         from baton.serve.demo import run_demo
@@ -302,9 +394,13 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     if args.sections != SECTIONS:  # re-measure some sections, keep the others from the last run
         r = {**json.loads((RESULTS / "quantization.json").read_text()), **r}
-    for key, section in (("quality", lambda: quality(demo, work, args.quick)), ("kv_cache", lambda: kv_quality(demo, args.quick)),
-                         ("pruning", lambda: pruning(demo, work, args.quick)), ("matmul_paths", matmul_paths),
-                         ("speed", lambda: speed(work, args.quick))):
+    for key, section in (
+        ("quality", lambda: quality(demo, work, args.quick)),
+        ("kv_cache", lambda: kv_quality(demo, args.quick)),
+        ("pruning", lambda: pruning(demo, work, args.quick)),
+        ("matmul_paths", matmul_paths),
+        ("speed", lambda: speed(work, args.quick)),
+    ):
         if key not in sections:
             continue
         print(f"{key} ...", flush=True)

@@ -33,8 +33,15 @@ from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=1024)
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
 
 
 REPEATS = 3
@@ -67,8 +74,12 @@ def run_engine(engine: LLMEngine, reqs, arrivals: list[float] | None = None, sam
         now = time.perf_counter() - start
         while pending and (arrivals is None or arrivals[pending[0][0]] <= now):
             i, (prompt, out_len) = pending.pop(0)
-            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
-                               arrival_time=time.monotonic())
+            engine.add_request(
+                str(i),
+                prompt,
+                SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+                arrival_time=time.monotonic(),
+            )
             token_times[str(i)] = [time.perf_counter()]
         if not engine.has_unfinished_requests():
             time.sleep(0.001)
@@ -97,13 +108,13 @@ def run_hf(hf, reqs, batch: int) -> float:
     """HF generate: static batches (left-padded to the longest prompt, run to the longest output)."""
     start = time.perf_counter()
     for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
+        chunk = reqs[i : i + batch]
         width = max(len(p) for p, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for r, (p, _) in enumerate(chunk):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         n = max(o for _, o in chunk)
         hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return time.perf_counter() - start
@@ -124,7 +135,9 @@ def decode_sweep(ckpt: Path, params: int, batches=(1, 2, 4, 8, 16, 32, 64)) -> l
     for b in batches:
         engine = engine_for(ckpt, max_num_seqs=b, budget=4096)
         for i in range(b):
-            engine.add_request(str(i), list(range(1, 17)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+            engine.add_request(
+                str(i), list(range(1, 17)), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+            )
         engine.step()  # prefill
         t, steps = time.perf_counter(), 0
         while engine.has_unfinished_requests():
@@ -137,8 +150,10 @@ def decode_sweep(ckpt: Path, params: int, batches=(1, 2, 4, 8, 16, 32, 64)) -> l
 def streaming_run(tmp: Path, quick: bool) -> list[dict]:
     cfg = ModelConfig(**{**MODEL, "max_position_embeddings": 256})
     save_model(tmp / "stream", build_model(cfg, seed=1))
-    engine = LLMEngine.from_checkpoint(tmp / "stream", EngineConfig(num_kv_blocks=64, block_size=16,
-                                                                     streaming_sink_tokens=4, streaming_window_tokens=252))
+    engine = LLMEngine.from_checkpoint(
+        tmp / "stream",
+        EngineConfig(num_kv_blocks=64, block_size=16, streaming_sink_tokens=4, streaming_window_tokens=252),
+    )
     total = 2560 if not quick else 768  # 10x the 256-token context
     engine.add_request("s", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=total, ignore_eos=True))
     rows, t, n = [], time.perf_counter(), 0
@@ -147,8 +162,7 @@ def streaming_run(tmp: Path, quick: bool) -> list[dict]:
         engine.step()
         n += 1
         if n % 128 == 0:
-            rows.append({"tokens": n, "kv_blocks": blocks,
-                         "ms_per_token": (time.perf_counter() - t) / 128 * 1e3})
+            rows.append({"tokens": n, "kv_blocks": blocks, "ms_per_token": (time.perf_counter() - t) / 128 * 1e3})
             t = time.perf_counter()
     return rows
 
@@ -182,11 +196,13 @@ def main() -> None:
     hf_static = statistics.median(hf_static_runs)
     hf_single = run_hf(hf, reqs, batch=1)  # every request: a subset's lengths would not be representative
     results["throughput"] = {
-        "requests": n_req, "output_tokens": out_tokens,
+        "requests": n_req,
+        "output_tokens": out_tokens,
         "baton": {"s": wall, "req_per_s": n_req / wall, "out_tok_per_s": out_tokens / wall},
         "hf_static_batch16": {"s": hf_static, "req_per_s": n_req / hf_static, "out_tok_per_s": out_tokens / hf_static},
         "hf_one_at_a_time": {"s": hf_single, "req_per_s": n_req / hf_single, "out_tok_per_s": out_tokens / hf_single},
-        "speedup_vs_hf_static": hf_static / wall, "speedup_vs_hf_single": hf_single / wall,
+        "speedup_vs_hf_static": hf_static / wall,
+        "speedup_vs_hf_single": hf_single / wall,
         "runs_s": {"baton": [r[0] for r in engine_runs], "hf_static_batch16": hf_static_runs},
     }
     results["kv_waste"] = {"mean": statistics.mean(waste), "p99": pct(waste, 0.99)}
@@ -208,8 +224,16 @@ def main() -> None:
             t += rng.expovariate(rate)
             arrivals.append(t)
         _, lt, lp, _ = run_engine(engine_for(ckpt), reqs, arrivals)
-        latency.append({"rate_req_per_s": rate, "ttft_p50": pct(lt, 0.5), "ttft_p99": pct(lt, 0.99),
-                        "tpot_p50": pct(lp, 0.5), "tpot_p99": pct(lp, 0.99), "ttft_all": sorted(lt)})
+        latency.append(
+            {
+                "rate_req_per_s": rate,
+                "ttft_p50": pct(lt, 0.5),
+                "ttft_p99": pct(lt, 0.99),
+                "tpot_p50": pct(lp, 0.5),
+                "tpot_p99": pct(lp, 0.99),
+                "ttft_all": sorted(lt),
+            }
+        )
     results["latency"] = latency
 
     system = list(range(3, 3 + 512))
@@ -219,7 +243,11 @@ def main() -> None:
     for on in (True, False):
         engine = engine_for(ckpt, enable_prefix_caching=on)
         w, _, _, _ = run_engine(engine, shared)
-        prefix["on" if on else "off"] = {"s": w, "req_per_s": len(shared) / w, "hit_rate": engine.block_manager.prefix_hit_rate}
+        prefix["on" if on else "off"] = {
+            "s": w,
+            "req_per_s": len(shared) / w,
+            "hit_rate": engine.block_manager.prefix_hit_rate,
+        }
     prefix["speedup"] = prefix["off"]["s"] / prefix["on"]["s"]
     results["prefix_caching"] = prefix
     results["streaming"] = streaming_run(tmp, args.quick)
@@ -232,24 +260,38 @@ def main() -> None:
 
 def report(r: dict) -> None:
     t = r["throughput"]
-    print(f"\nmodel: {r['parameters'] / 1e6:.1f}M params, {r['threads']} threads; {t['requests']} requests, {t['output_tokens']} output tokens")
+    print(
+        f"\nmodel: {r['parameters'] / 1e6:.1f}M params, {r['threads']} threads; {t['requests']} requests, {t['output_tokens']} output tokens"
+    )
     print(f"{'system':<22}{'s':>8}{'req/s':>9}{'out tok/s':>11}")
     for k in ("baton", "hf_static_batch16", "hf_one_at_a_time"):
         print(f"{k:<22}{t[k]['s']:>8.1f}{t[k]['req_per_s']:>9.2f}{t[k]['out_tok_per_s']:>11.0f}")
-    print(f"speedup vs HF static batching: {t['speedup_vs_hf_static']:.1f}x; vs one at a time: {t['speedup_vs_hf_single']:.1f}x")
-    print(f"  (medians of interleaved runs: Baton {[round(x, 2) for x in t['runs_s']['baton']]} s, "
-          f"HF static {[round(x, 2) for x in t['runs_s']['hf_static_batch16']]} s)")
+    print(
+        f"speedup vs HF static batching: {t['speedup_vs_hf_static']:.1f}x; vs one at a time: {t['speedup_vs_hf_single']:.1f}x"
+    )
+    print(
+        f"  (medians of interleaved runs: Baton {[round(x, 2) for x in t['runs_s']['baton']]} s, "
+        f"HF static {[round(x, 2) for x in t['runs_s']['hf_static_batch16']]} s)"
+    )
     print(f"KV waste: mean {r['kv_waste']['mean']:.1%}, p99 {r['kv_waste']['p99']:.1%}")
     d = r["decode_sweep"]
-    print(f"\ndecode (fp32 matmul ceiling {d['matmul_gflops']:.0f} GFLOP/s)\n{'batch':>6}{'tok/s':>10}{'ceiling':>10}{'frac':>8}")
+    print(
+        f"\ndecode (fp32 matmul ceiling {d['matmul_gflops']:.0f} GFLOP/s)\n{'batch':>6}{'tok/s':>10}{'ceiling':>10}{'frac':>8}"
+    )
     for row in d["rows"]:
-        print(f"{row['batch']:>6}{row['tokens_per_s']:>10.0f}{row['ceiling_tokens_per_s']:>10.0f}{row['fraction_of_ceiling']:>8.1%}")
+        print(
+            f"{row['batch']:>6}{row['tokens_per_s']:>10.0f}{row['ceiling_tokens_per_s']:>10.0f}{row['fraction_of_ceiling']:>8.1%}"
+        )
     print(f"\n{'rate req/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}  (seconds)")
     for row in r["latency"]:
-        print(f"{row['rate_req_per_s']:>10.2f}{row['ttft_p50']:>10.3f}{row['ttft_p99']:>10.3f}{row['tpot_p50']:>10.4f}{row['tpot_p99']:>10.4f}")
+        print(
+            f"{row['rate_req_per_s']:>10.2f}{row['ttft_p50']:>10.3f}{row['ttft_p99']:>10.3f}{row['tpot_p50']:>10.4f}{row['tpot_p99']:>10.4f}"
+        )
     p = r["prefix_caching"]
-    print(f"\nprefix caching (512-token shared prompt): on {p['on']['req_per_s']:.2f} req/s (hit rate {p['on']['hit_rate']:.0%}), "
-          f"off {p['off']['req_per_s']:.2f} req/s -> {p['speedup']:.1f}x")
+    print(
+        f"\nprefix caching (512-token shared prompt): on {p['on']['req_per_s']:.2f} req/s (hit rate {p['on']['hit_rate']:.0%}), "
+        f"off {p['off']['req_per_s']:.2f} req/s -> {p['speedup']:.1f}x"
+    )
     print("\nStreamingLLM (context 256, stream to 10x):")
     for row in r["streaming"]:
         print(f"  tokens {row['tokens']:>5}: {row['kv_blocks']} KV blocks, {row['ms_per_token']:.2f} ms/token")

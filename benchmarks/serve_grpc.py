@@ -37,8 +37,15 @@ from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, max_position_embeddings=1024)
+MODEL = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+)
 KV_MB, MAX_SEQS = 256, 64
 
 
@@ -85,9 +92,18 @@ async def closed_loop(prompts: list[list[int]], concurrency: int, stream_one) ->
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     tokens = sum(len(v) for v in outputs.values())
-    return {"wall_s": wall, "tokens": tokens, "tok_per_s": tokens / wall, "ttft_p50_ms": pct(ttft, 0.5),
-            "ttft_p99_ms": pct(ttft, 0.99), "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99),
-            "outputs": [outputs[i] for i in range(len(prompts))], "ttft": ttft, "itl": itl}
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "ttft_p50_ms": pct(ttft, 0.5),
+        "ttft_p99_ms": pct(ttft, 0.99),
+        "itl_p50_ms": pct(itl, 0.5),
+        "itl_p99_ms": pct(itl, 0.99),
+        "outputs": [outputs[i] for i in range(len(prompts))],
+        "ttft": ttft,
+        "itl": itl,
+    }
 
 
 def engine_runner(ckpt: Path, params: SamplingParams):
@@ -103,9 +119,28 @@ def engine_runner(ckpt: Path, params: SamplingParams):
 
 
 def start_server(ckpt: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "baton.common.cli", "serve", "--model", str(ckpt), "--port", "0",
-                             "--metrics-port", "-1", "--kv-cache-mb", str(KV_MB), "--max-num-seqs", str(MAX_SEQS),
-                             "--max-concurrent", str(MAX_SEQS)], stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "baton.common.cli",
+            "serve",
+            "--model",
+            str(ckpt),
+            "--port",
+            "0",
+            "--metrics-port",
+            "-1",
+            "--kv-cache-mb",
+            str(KV_MB),
+            "--max-num-seqs",
+            str(MAX_SEQS),
+            "--max-concurrent",
+            str(MAX_SEQS),
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 120
     while not (m := re.search(r"ready: .* grpc=([\d.]+:\d+)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -134,6 +169,7 @@ def run_grpc(target: str, prompts, concurrency: int, max_tokens: int) -> dict:
 
 def plot(results: dict, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -146,8 +182,9 @@ def plot(results: dict, path: Path) -> None:
             ax.plot(levels, [r[f"{metric}_p50_ms"] for r in rows], "o-", color=color, label=f"{label} p50")
             ax.plot(levels, [r[f"{metric}_p99_ms"] for r in rows], "x--", color=color, label=f"{label} p99")
     axes[0].axhline(results["offline_tok_per_s"], color="gray", ls=":", label="LLM.generate, all submitted at once")
-    for ax, title, unit in zip(axes, ("throughput", "time to first token", "inter-token latency"),
-                               ("output tokens/s", "ms", "ms")):
+    for ax, title, unit in zip(
+        axes, ("throughput", "time to first token", "inter-token latency"), ("output tokens/s", "ms", "ms")
+    ):
         ax.set(title=title, xlabel="concurrent clients", ylabel=unit, xscale="log")
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.legend(fontsize=7)
@@ -183,9 +220,15 @@ def main() -> None:
         reference = [o.outputs[0].token_ids for o in in_thread(llm.generate, prompts, params)]
         offline_s = min(offline_s, time.perf_counter() - t0)
     del llm
-    results = {"model": str(args.model) if args.model else MODEL, "requests": args.requests,
-               "max_tokens": args.max_tokens, "repeats": args.repeats,
-               "concurrency": args.concurrency, "offline_tok_per_s": sum(map(len, reference)) / offline_s, "runs": {}}
+    results = {
+        "model": str(args.model) if args.model else MODEL,
+        "requests": args.requests,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "concurrency": args.concurrency,
+        "offline_tok_per_s": sum(map(len, reference)) / offline_s,
+        "runs": {},
+    }
     run_engine, stop_engine = engine_runner(ckpt, params)
     proc, target = start_server(ckpt, tmp / "serve.log")
     try:
@@ -193,31 +236,40 @@ def main() -> None:
         run_grpc(target, prompts, max(args.concurrency), args.max_tokens)
         for c in args.concurrency:
             engine = max((run_engine(prompts, c) for _ in range(args.repeats)), key=lambda r: r["tok_per_s"])
-            grpc_run = max((run_grpc(target, prompts, c, args.max_tokens) for _ in range(args.repeats)),
-                           key=lambda r: r["tok_per_s"])
+            grpc_run = max(
+                (run_grpc(target, prompts, c, args.max_tokens) for _ in range(args.repeats)),
+                key=lambda r: r["tok_per_s"],
+            )
             mismatches = sum(a != b for a, b in zip(grpc_run["outputs"], reference))
             results["runs"][str(c)] = {
                 "engine": {k: v for k, v in engine.items() if k not in ("outputs", "ttft", "itl")},
                 "grpc": {k: v for k, v in grpc_run.items() if k not in ("outputs", "ttft", "itl")},
-                "grpc_outputs_differing_from_offline": mismatches}
+                "grpc_outputs_differing_from_offline": mismatches,
+            }
     finally:
         stop_engine()
         proc.terminate()
         proc.wait(60)
 
-    print(f"\n{args.requests} requests, prompts 16-128 tokens, {args.max_tokens} output tokens each; "
-          f"offline LLM.generate: {results['offline_tok_per_s']:.0f} tok/s")
+    print(
+        f"\n{args.requests} requests, prompts 16-128 tokens, {args.max_tokens} output tokens each; "
+        f"offline LLM.generate: {results['offline_tok_per_s']:.0f} tok/s"
+    )
     head = f"{'clients':>7} {'path':<7} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8}"
     print(head + "   (ms)\n" + "-" * len(head))
     for c in args.concurrency:
         run = results["runs"][str(c)]
         for key in ("engine", "grpc"):
             r = run[key]
-            print(f"{c:>7} {key:<7} {r['tok_per_s']:>8.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
-                  f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}")
+            print(
+                f"{c:>7} {key:<7} {r['tok_per_s']:>8.0f} {r['ttft_p50_ms']:>9.1f} {r['ttft_p99_ms']:>9.1f} "
+                f"{r['itl_p50_ms']:>8.2f} {r['itl_p99_ms']:>8.2f}"
+            )
         ratio = run["grpc"]["tok_per_s"] / run["engine"]["tok_per_s"]
-        print(f"{'':>7} gRPC/engine throughput {ratio:.2f}; outputs differing from offline: "
-              f"{run['grpc_outputs_differing_from_offline']}")
+        print(
+            f"{'':>7} gRPC/engine throughput {ratio:.2f}; outputs differing from offline: "
+            f"{run['grpc_outputs_differing_from_offline']}"
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve_grpc.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, RESULTS / "serve_grpc.png")

@@ -38,32 +38,73 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
 
     corpus = str(SHAKESPEARE) if SHAKESPEARE.is_file() else None
     steps = 150 if quick else 600
-    common = {"data": {"path": corpus, "seq_len": 128, "val_fraction": 0.05}, "micro_batch_size": 12,
-              "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 30}, "eval_interval": 0}
+    common = {
+        "data": {"path": corpus, "seq_len": 128, "val_fraction": 0.05},
+        "micro_batch_size": 12,
+        "optim": {"lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 30},
+        "eval_interval": 0,
+    }
     target, draft = out / "target", out / "draft"
     if not (target / "handoff" / "config.json").is_file():
-        train(config_from_dict({**common, "out_dir": str(target), "max_steps": steps, "tokenizer": {"kind": "char"},
-                                "model": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6,
-                                          "num_attention_heads": 8, "num_key_value_heads": 2,
-                                          "max_position_embeddings": 512}}))
+        train(
+            config_from_dict(
+                {
+                    **common,
+                    "out_dir": str(target),
+                    "max_steps": steps,
+                    "tokenizer": {"kind": "char"},
+                    "model": {
+                        "hidden_size": 256,
+                        "intermediate_size": 688,
+                        "num_hidden_layers": 6,
+                        "num_attention_heads": 8,
+                        "num_key_value_heads": 2,
+                        "max_position_embeddings": 512,
+                    },
+                }
+            )
+        )
     if not (draft / "handoff" / "config.json").is_file():
-        train(config_from_dict({**common, "out_dir": str(draft), "max_steps": steps,
-                                "tokenizer": {"path": str(target / "handoff")},
-                                # one layer: on a CPU a forward's cost is mostly per layer, not per width
-                                "model": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 1,
-                                          "num_attention_heads": 4, "num_key_value_heads": 2,
-                                          "max_position_embeddings": 512}}))
+        train(
+            config_from_dict(
+                {
+                    **common,
+                    "out_dir": str(draft),
+                    "max_steps": steps,
+                    "tokenizer": {"path": str(target / "handoff")},
+                    # one layer: on a CPU a forward's cost is mostly per layer, not per width
+                    "model": {
+                        "hidden_size": 128,
+                        "intermediate_size": 352,
+                        "num_hidden_layers": 1,
+                        "num_attention_heads": 4,
+                        "num_key_value_heads": 2,
+                        "max_position_embeddings": 512,
+                    },
+                }
+            )
+        )
     if not (target / "handoff" / "medusa_config.json").is_file():
         from baton.common.data import DataConfig
         from baton.serve.distill import DistillConfig, write_distillation_corpus
 
         # self-distillation: the heads learn the target's own greedy continuations (Medusa, section 3.2),
         # written as `baton distill` does, then read like any corpus
-        distilled = write_distillation_corpus(target / "handoff", out / "distill.jsonl", DistillConfig(
-            DataConfig(path=corpus, seq_len=128), samples=96 if quick else 384))
-        train_medusa(MedusaTrainConfig(base=str(target / "handoff"),
-                                       data=DataConfig(path=str(distilled), seq_len=128, val_fraction=0),
-                                       num_heads=3, steps=steps // 2, batch_size=12, lr=2e-3))
+        distilled = write_distillation_corpus(
+            target / "handoff",
+            out / "distill.jsonl",
+            DistillConfig(DataConfig(path=corpus, seq_len=128), samples=96 if quick else 384),
+        )
+        train_medusa(
+            MedusaTrainConfig(
+                base=str(target / "handoff"),
+                data=DataConfig(path=str(distilled), seq_len=128, val_fraction=0),
+                num_heads=3,
+                steps=steps // 2,
+                batch_size=12,
+                lr=2e-3,
+            )
+        )
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     return target / "handoff", draft / "handoff", text
 
@@ -82,12 +123,16 @@ def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
 
 def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> dict:
     """Decode the prompts `batch` at a time, each group to completion; only decode steps are timed."""
-    engine = LLMEngine.from_checkpoint(target, EngineConfig(num_kv_blocks=2048, block_size=16, speculative=spec,
-                                                            scheduler=SchedulerConfig(max_num_seqs=batch)))
+    engine = LLMEngine.from_checkpoint(
+        target,
+        EngineConfig(
+            num_kv_blocks=2048, block_size=16, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=batch)
+        ),
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     wall, tokens, latencies = 0.0, 0, []
     for g in range(0, len(prompts), batch):
-        for i, p in enumerate(prompts[g:g + batch]):
+        for i, p in enumerate(prompts[g : g + batch]):
             engine.add_request(f"{g}-{i}", p, params)
         engine.step()  # prefill outside the timed region
         t = time.perf_counter()
@@ -98,16 +143,21 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
                     tokens += len(out.outputs[0].token_ids)
         wall += time.perf_counter() - t
     s = engine.stats()
-    return {"tokens_per_s": tokens / wall, "ms_per_token": 1e3 * sum(latencies) / len(latencies),
-            "acceptance_rate": s.spec_acceptance_rate, "mean_accepted_length": s.spec_mean_accepted_length}
+    return {
+        "tokens_per_s": tokens / wall,
+        "ms_per_token": 1e3 * sum(latencies) / len(latencies),
+        "acceptance_rate": s.spec_acceptance_rate,
+        "mean_accepted_length": s.spec_mean_accepted_length,
+    }
 
 
 REPEATS = 3
 SWEPT = ("ngram k=4", "draft k=4", "draft k=6", "medusa k=3")
 
 
-def median_runs(target: Path, spec_modes: dict, prompts: list[str], max_tokens: int, batch: int,
-                repeats: int) -> dict[str, dict]:
+def median_runs(
+    target: Path, spec_modes: dict, prompts: list[str], max_tokens: int, batch: int, repeats: int
+) -> dict[str, dict]:
     """Every mode `repeats` times, interleaved (so drift in the machine's speed hits all modes
     alike); for each mode the run with the median tokens/s."""
     seen: dict[str, list[dict]] = {name: [] for name in spec_modes}
@@ -120,8 +170,11 @@ def median_runs(target: Path, spec_modes: dict, prompts: list[str], max_tokens: 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--target", help="measure this handoff checkpoint (with Medusa heads) instead of training one; "
-                                     "prompts then come from the embedded default corpus")
+    ap.add_argument(
+        "--target",
+        help="measure this handoff checkpoint (with Medusa heads) instead of training one; "
+        "prompts then come from the embedded default corpus",
+    )
     ap.add_argument("--draft", help="the draft checkpoint for --target")
     ap.add_argument("--name", default="speculative", help="results file name (benchmarks/results/NAME.{json,png})")
     args = ap.parse_args()
@@ -137,8 +190,8 @@ def main() -> None:
         target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
     rng = random.Random(0)
     source = text or "To be, or not to be, that is the question. " * 50
-    natural = [source[i:i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
-    passage = [source[i:i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
+    natural = [source[i : i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
+    passage = [source[i : i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
     quoting = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]  # a passage twice, then its start again
     max_tokens = 48 if args.quick else 96
     results: dict = {"rows": []}
@@ -146,26 +199,34 @@ def main() -> None:
         for batch in (1, 8):
             runs = median_runs(target, modes(draft), prompts, max_tokens, batch, REPEATS)
             for name, r in runs.items():
-                r.update(workload=workload, batch=batch, mode=name,
-                         speedup=r["tokens_per_s"] / runs["plain"]["tokens_per_s"])
+                r.update(
+                    workload=workload, batch=batch, mode=name, speedup=r["tokens_per_s"] / runs["plain"]["tokens_per_s"]
+                )
                 results["rows"].append(r)
     sweep = []
     sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
     for batch in (1, 2, 4, 8, 16, 32):
-        runs = median_runs(target, sweep_modes, (natural * 4)[:max(8, batch)], max_tokens, batch, REPEATS)
+        runs = median_runs(target, sweep_modes, (natural * 4)[: max(8, batch)], max_tokens, batch, REPEATS)
         base = runs["plain"]["tokens_per_s"]
-        sweep.append({"batch": batch, "plain": base,
-                      **{k: r["tokens_per_s"] / base for k, r in runs.items() if k != "plain"}})
+        sweep.append(
+            {"batch": batch, "plain": base, **{k: r["tokens_per_s"] / base for k, r in runs.items() if k != "plain"}}
+        )
     results["batch_sweep"] = sweep
     (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2))
-    print(f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}")
+    print(
+        f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}"
+    )
     for r in results["rows"]:
-        print(f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
-              f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}")
+        print(
+            f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+            f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}"
+        )
     print("\nspeedup over plain decoding by batch size (natural prompts):")
     for row in sweep:
-        print(f"  batch {row['batch']:>3}: plain {row['plain']:.0f} tok/s; "
-              + ", ".join(f"{k} {row[k]:.2f}x" for k in SWEPT))
+        print(
+            f"  batch {row['batch']:>3}: plain {row['plain']:.0f} tok/s; "
+            + ", ".join(f"{k} {row[k]:.2f}x" for k in SWEPT)
+        )
     plot(results, RESULTS / f"{args.name}.png")
 
 

@@ -30,8 +30,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MODEL = {"vocab_size": 4096, "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
-         "num_attention_heads": 8, "num_key_value_heads": 8, "max_position_embeddings": 256}
+MODEL = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 256,
+}
 DS = ["backend=deepspeed"]
 MODES = {
     "DDP": [],
@@ -39,12 +46,22 @@ MODES = {
     "ZeRO-2": [*DS, "deepspeed.stage=2"],
     "ZeRO-3": [*DS, "deepspeed.stage=3"],
     "ZeRO-2 + CPU offload": [*DS, "deepspeed.stage=2", "deepspeed.offload_optimizer=cpu"],
-    "ZeRO-3 + CPU offload (params + opt)": [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=cpu",
-                                            "deepspeed.offload_param=cpu"],
+    "ZeRO-3 + CPU offload (params + opt)": [
+        *DS,
+        "deepspeed.stage=3",
+        "deepspeed.offload_optimizer=cpu",
+        "deepspeed.offload_param=cpu",
+    ],
 }
-NVME_MODE = {"ZeRO-3 + NVMe offload (params + opt)": [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme",
-                                                      "deepspeed.offload_param=nvme",
-                                                      f"deepspeed.nvme_path={ROOT / 'runs' / 'bench_nvme_swap'}"]}
+NVME_MODE = {
+    "ZeRO-3 + NVMe offload (params + opt)": [
+        *DS,
+        "deepspeed.stage=3",
+        "deepspeed.offload_optimizer=nvme",
+        "deepspeed.offload_param=nvme",
+        f"deepspeed.nvme_path={ROOT / 'runs' / 'bench_nvme_swap'}",
+    ]
+}
 
 
 def nvme_available() -> bool:
@@ -68,8 +85,10 @@ def worker(mode: str, steps: int, out: str) -> None:
     from baton.train.distributed import init_distributed
     from baton.train.recompute import apply_recompute
 
-    cfg = config_from_dict({"model": MODEL, "data": {"seq_len": 128}, "micro_batch_size": 4},
-                           {**MODES, **NVME_MODE}[mode] + ["optim.warmup_steps=0"])
+    cfg = config_from_dict(
+        {"model": MODEL, "data": {"seq_len": 128}, "micro_batch_size": 4},
+        {**MODES, **NVME_MODE}[mode] + ["optim.warmup_steps=0"],
+    )
     dist = init_distributed(need_group=cfg.backend == "deepspeed")
     model = build_model(ModelConfig(**MODEL), seed=0)
     backend = build_backend(cfg, model, apply_recompute(model, cfg.recompute), dist)
@@ -102,8 +121,9 @@ def plot(rows: list[dict], path: Path) -> None:
         for kind, color in (("params", "C0"), ("master_params", "C4"), ("grads", "C1"), ("optimizer", "C2")):
             vals = [r["bytes"][loc].get(kind, 0) / 2**20 for r in rows]
             if any(vals):
-                a.bar(names, vals, bottom=bottom, color=color, hatch=hatch, edgecolor="k", lw=0.3,
-                      label=f"{kind} ({loc})")
+                a.bar(
+                    names, vals, bottom=bottom, color=color, hatch=hatch, edgecolor="k", lw=0.3, label=f"{kind} ({loc})"
+                )
                 bottom = [x + y for x, y in zip(bottom, vals)]
     a.plot(names, [r["theory_total"] / 2**20 for r in rows], "k_", ms=30, mew=2, label="ZeRO accounting (16Ψ...)")
     a.set(ylabel="MiB per rank (model state)", title="Model state per rank, world size 2")
@@ -130,30 +150,59 @@ def main() -> None:
     modes = {**MODES, **(NVME_MODE if nvme_available() else {})}
     for mode, overrides in modes.items():
         out = RESULTS / "train_memory.part.json.tmp"
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        __file__, "--worker", mode, "--steps", str(args.steps), "--out", str(out)], env=env, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                __file__,
+                "--worker",
+                mode,
+                "--steps",
+                str(args.steps),
+                "--out",
+                str(out),
+            ],
+            env=env,
+            check=True,
+        )
         rank0 = json.loads(out.read_text())["ranks"][0]
         out.unlink()
         stage = next((int(o.split("=")[1]) for o in overrides if o.startswith("deepspeed.stage")), 0)
         psi = rank0.pop("parameters")
         th = theory(stage, psi, 2)
-        rows.append({"mode": mode, "stage": stage, "parameters": psi, "bytes": {k: rank0[k] for k in ("accelerator", "host", "nvme")},
-                     "theory": th, "theory_total": sum(th.values()), "rss_peak_bytes": rank0["rss_peak_bytes"],
-                     "step_s": rank0["step_s"]})
+        rows.append(
+            {
+                "mode": mode,
+                "stage": stage,
+                "parameters": psi,
+                "bytes": {k: rank0[k] for k in ("accelerator", "host", "nvme")},
+                "theory": th,
+                "theory_total": sum(th.values()),
+                "rss_peak_bytes": rank0["rss_peak_bytes"],
+                "step_s": rank0["step_s"],
+            }
+        )
     (RESULTS / "train_memory.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, RESULTS / "train_memory.png")
     mib = lambda x: f"{x / 2**20:.1f}"  # noqa: E731
     print(f"\nΨ = {rows[0]['parameters']:,} parameters, world size 2, fp32 + Adam; MiB per rank\n")
-    print("| mode | params | fp32 master | grads | optimizer | on accelerator | on host | on NVMe | ZeRO accounting | peak RSS "
-          "| step |")
+    print(
+        "| mode | params | fp32 master | grads | optimizer | on accelerator | on host | on NVMe | ZeRO accounting | peak RSS "
+        "| step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = r["bytes"]
         tot = lambda k: sum(b[loc].get(k, 0) for loc in b)  # noqa: E731
-        print(f"| {r['mode']} | {mib(tot('params'))} | {mib(tot('master_params'))} | {mib(tot('grads'))} | "
-              f"{mib(tot('optimizer'))} | {mib(sum(b['accelerator'].values()))} | {mib(sum(b['host'].values()))} | "
-              f"{mib(sum(b['nvme'].values()))} | {mib(r['theory_total'])} | {mib(r['rss_peak_bytes'])} | "
-              f"{r['step_s'] * 1000:.0f} ms |")
+        print(
+            f"| {r['mode']} | {mib(tot('params'))} | {mib(tot('master_params'))} | {mib(tot('grads'))} | "
+            f"{mib(tot('optimizer'))} | {mib(sum(b['accelerator'].values()))} | {mib(sum(b['host'].values()))} | "
+            f"{mib(sum(b['nvme'].values()))} | {mib(r['theory_total'])} | {mib(r['rss_peak_bytes'])} | "
+            f"{r['step_s'] * 1000:.0f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -56,8 +56,18 @@ def throughput(cfg_for, tok: Tokenizer, rounds: int, steps: int) -> tuple[list[f
     """Short Baton runs and plain-loop runs, alternating, so both see the same machine load."""
     baton, plain = [], []
     for _ in range(rounds):
-        cfg = cfg_for([f"max_steps={steps}", "eval_interval=0", "export=false", "logging.progress=false",
-                       "logging.plot=false", "logging.tensorboard=false", "logging.mfu=false"], "bench_nanogpt_speed")
+        cfg = cfg_for(
+            [
+                f"max_steps={steps}",
+                "eval_interval=0",
+                "export=false",
+                "logging.progress=false",
+                "logging.plot=false",
+                "logging.tensorboard=false",
+                "logging.mfu=false",
+            ],
+            "bench_nanogpt_speed",
+        )
         baton.append(train(cfg).tokens_per_second)  # training steps only: not evaluation or the checkpoint
         plain.append(plain_loop_tokens_per_s(cfg, tok, steps))
     return baton, plain
@@ -92,31 +102,48 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
 
     def cfg_for(overrides: list[str], name: str):
-        return load_config(ROOT / "configs" / "tinyshakespeare.yaml",
-                           [f"out_dir={ROOT / 'runs' / name}", "checkpoint.resume=never",
-                            f"data.path={ROOT.parent / 'shared' / 'data' / 'tinyshakespeare.txt'}", *overrides])
+        return load_config(
+            ROOT / "configs" / "tinyshakespeare.yaml",
+            [
+                f"out_dir={ROOT / 'runs' / name}",
+                "checkpoint.resume=never",
+                f"data.path={ROOT.parent / 'shared' / 'data' / 'tinyshakespeare.txt'}",
+                *overrides,
+            ],
+        )
 
     t0 = time.perf_counter()
     result = train(cfg_for([f"max_steps={args.steps}"], "bench_nanogpt"))  # the anchor run
     wall = time.perf_counter() - t0
-    records = [json.loads(line) for line in (ROOT / "runs" / "bench_nanogpt" / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (ROOT / "runs" / "bench_nanogpt" / "metrics.jsonl").read_text().splitlines()
+    ]
     tok = Tokenizer.from_dir(result.checkpoint_dir / "tokenizer")
     baton, plain = throughput(cfg_for, tok, args.rounds, args.speed_steps)
     summary = {
-        "iterations": result.steps, "final_val_loss": result.final_val_loss, "final_train_loss": result.final_train_loss,
-        "nanogpt_val_loss": NANOGPT_VAL_LOSS, "anchor_run_tokens_per_s": result.tokens_per_second,
-        "anchor_run_mfu": records[-1].get("mfu"), "wall_s": wall, "threads": torch.get_num_threads(),
-        "baton_tokens_per_s_rounds": baton, "plain_loop_tokens_per_s_rounds": plain,
-        "baton_tokens_per_s": statistics.median(baton), "plain_loop_tokens_per_s": statistics.median(plain),
+        "iterations": result.steps,
+        "final_val_loss": result.final_val_loss,
+        "final_train_loss": result.final_train_loss,
+        "nanogpt_val_loss": NANOGPT_VAL_LOSS,
+        "anchor_run_tokens_per_s": result.tokens_per_second,
+        "anchor_run_mfu": records[-1].get("mfu"),
+        "wall_s": wall,
+        "threads": torch.get_num_threads(),
+        "baton_tokens_per_s_rounds": baton,
+        "plain_loop_tokens_per_s_rounds": plain,
+        "baton_tokens_per_s": statistics.median(baton),
+        "plain_loop_tokens_per_s": statistics.median(plain),
     }
     (RESULTS / "train_nanogpt.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(records, RESULTS / "train_nanogpt.png", summary["baton_tokens_per_s"], summary["plain_loop_tokens_per_s"])
-    print(f"\n| metric | Baton | reference |\n|---|---|---|\n"
-          f"| val loss after {result.steps} it | {result.final_val_loss:.4f} | nanoGPT {NANOGPT_VAL_LOSS} |\n"
-          f"| training tokens/s (median of {args.rounds} alternating rounds) | {summary['baton_tokens_per_s']:,.0f} | "
-          f"plain loop {summary['plain_loop_tokens_per_s']:,.0f} |\n"
-          f"| tokens/s and MFU over the whole anchor run | {result.tokens_per_second:,.0f}, {summary['anchor_run_mfu']:.1%} | |\n"
-          f"| anchor run wall time | {wall:.0f} s | |")
+    print(
+        f"\n| metric | Baton | reference |\n|---|---|---|\n"
+        f"| val loss after {result.steps} it | {result.final_val_loss:.4f} | nanoGPT {NANOGPT_VAL_LOSS} |\n"
+        f"| training tokens/s (median of {args.rounds} alternating rounds) | {summary['baton_tokens_per_s']:,.0f} | "
+        f"plain loop {summary['plain_loop_tokens_per_s']:,.0f} |\n"
+        f"| tokens/s and MFU over the whole anchor run | {result.tokens_per_second:,.0f}, {summary['anchor_run_mfu']:.1%} | |\n"
+        f"| anchor run wall time | {wall:.0f} s | |"
+    )
 
 
 if __name__ == "__main__":

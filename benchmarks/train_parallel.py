@@ -50,23 +50,49 @@ from baton.train.parallel.parallelize import Parallel3D
 from baton.train.recompute import EagerAttention, SelectiveRecompute
 
 RESULTS = Path(__file__).resolve().parent / "results"
-THROUGHPUT_MODEL = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
+THROUGHPUT_MODEL = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=256,
+)
 SEQ, GLOBAL_BATCH, MICRO_BATCHES = 128, 16, 4
 LAYOUTS = {
     1: {"single": {}},
-    2: {"dp2 fsdp": dict(dp=2), "dp2 ddp": dict(dp=2, dp_mode="ddp"), "tp2": dict(tp=2, sequence_parallel=False),
-        "tp2 sp": dict(tp=2), "pp2 1f1b": dict(pp=2), "pp2 gpipe": dict(pp=2, pp_schedule="gpipe"),
-        "pp2 interleaved": dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), "cp2": dict(cp=2)},
-    4: {"dp4 fsdp": dict(dp=4), "tp4 sp": dict(tp=4), "pp4 1f1b": dict(pp=4), "tp2 dp2": dict(tp=2, dp=2),
-        "tp2 pp2": dict(tp=2, pp=2), "pp2 dp2": dict(pp=2, dp=2), "cp2 tp2": dict(cp=2, tp=2),
-        "cp2 dp2": dict(cp=2, dp=2)},
+    2: {
+        "dp2 fsdp": dict(dp=2),
+        "dp2 ddp": dict(dp=2, dp_mode="ddp"),
+        "tp2": dict(tp=2, sequence_parallel=False),
+        "tp2 sp": dict(tp=2),
+        "pp2 1f1b": dict(pp=2),
+        "pp2 gpipe": dict(pp=2, pp_schedule="gpipe"),
+        "pp2 interleaved": dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
+        "cp2": dict(cp=2),
+    },
+    4: {
+        "dp4 fsdp": dict(dp=4),
+        "tp4 sp": dict(tp=4),
+        "pp4 1f1b": dict(pp=4),
+        "tp2 dp2": dict(tp=2, dp=2),
+        "tp2 pp2": dict(tp=2, pp=2),
+        "pp2 dp2": dict(pp=2, dp=2),
+        "cp2 tp2": dict(cp=2, tp=2),
+        "cp2 dp2": dict(cp=2, dp=2),
+    },
 }
 # Activation study: s, b, h, a as in the formulas; t = 2.
 ACT_S, ACT_B, ACT_H, ACT_A = 256, 1, 64, 4
-ACT_MODES = {1: {"none": (dict(), False)},
-             2: {"tp": (dict(tp=2, sequence_parallel=False), False), "tp+sp": (dict(tp=2), False),
-                 "tp+sp+selective": (dict(tp=2), True)}}
+ACT_MODES = {
+    1: {"none": (dict(), False)},
+    2: {
+        "tp": (dict(tp=2, sequence_parallel=False), False),
+        "tp+sp": (dict(tp=2), False),
+        "tp+sp+selective": (dict(tp=2), True),
+    },
+}
 
 
 def engine_for(model_cfg: ModelConfig, par: dict, micro: int, attn=None) -> Parallel3D:
@@ -91,9 +117,13 @@ def throughput(par: dict, steps: int) -> dict:
         if step >= 2:
             times.append(time.perf_counter() - t0)
     state = engine.memory()["accelerator"]
-    return {"layout": engine.layout.describe(), "tokens_per_s": GLOBAL_BATCH * SEQ / statistics.median(times),
-            "step_s": statistics.median(times), "model_state_bytes": sum(state.values()),
-            "rss_bytes": psutil.Process().memory_info().rss}
+    return {
+        "layout": engine.layout.describe(),
+        "tokens_per_s": GLOBAL_BATCH * SEQ / statistics.median(times),
+        "step_s": statistics.median(times),
+        "model_state_bytes": sum(state.values()),
+        "rss_bytes": psutil.Process().memory_info().rss,
+    }
 
 
 def _plain_tensors(t):
@@ -136,8 +166,14 @@ def activations(par: dict, selective: bool) -> float:
     """Bytes per layer that one rank's forward keeps for the backward (eager attention core)."""
     per = {}
     for layers in (2, 4):
-        cfg = ModelConfig(vocab_size=128, hidden_size=ACT_H, intermediate_size=4 * ACT_H, num_hidden_layers=layers,
-                          num_attention_heads=ACT_A, max_position_embeddings=ACT_S)
+        cfg = ModelConfig(
+            vocab_size=128,
+            hidden_size=ACT_H,
+            intermediate_size=4 * ACT_H,
+            num_hidden_layers=layers,
+            num_attention_heads=ACT_A,
+            max_position_embeddings=ACT_S,
+        )
         attn = SelectiveRecompute(EagerAttention()) if selective else EagerAttention()
         engine = engine_for(cfg, par, 1, attn)
         tokens = torch.randint(0, 128, (ACT_B, ACT_S + 1), generator=torch.Generator().manual_seed(0))
@@ -169,8 +205,12 @@ def worker(out: Path, steps: int) -> None:
 def formulas(t: int) -> dict[str, float]:
     """Megatron's bytes per layer (fp16 activations, 1-byte dropout masks, GELU MLP of 4h)."""
     s, b, h, a = ACT_S, ACT_B, ACT_H, ACT_A
-    return {"none": s * b * h * (34 + 5 * a * s / h), "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
-            "tp+sp": s * b * h * (34 + 5 * a * s / h) / t, "tp+sp+selective": 34 * s * b * h / t}
+    return {
+        "none": s * b * h * (34 + 5 * a * s / h),
+        "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp+sp": s * b * h * (34 + 5 * a * s / h) / t,
+        "tp+sp+selective": 34 * s * b * h / t,
+    }
 
 
 def baton_formulas(t: int) -> dict[str, float]:
@@ -181,8 +221,12 @@ def baton_formulas(t: int) -> dict[str, float]:
     kept whole (2 sbh per layer) where Megatron-LM keeps the shard and gathers again in backward."""
     s, b, h, a = ACT_S, ACT_B, ACT_H, ACT_A
     sbh, s2 = s * b * h, a * s * s * b
-    return {"none": 4 * (26 * sbh + s2), "tp": 4 * ((6 + 20 / t) * sbh + s2 / t),
-            "tp+sp": 4 * ((2 + 24 / t) * sbh + s2 / t), "tp+sp+selective": 4 * (2 + 24 / t) * sbh}
+    return {
+        "none": 4 * (26 * sbh + s2),
+        "tp": 4 * ((6 + 20 / t) * sbh + s2 / t),
+        "tp+sp": 4 * ((2 + 24 / t) * sbh + s2 / t),
+        "tp+sp+selective": 4 * (2 + 24 / t) * sbh,
+    }
 
 
 def main() -> None:
@@ -196,8 +240,18 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="baton-bench-"))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for world in args.worlds:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}", f"--master_port={free_port()}",
-               __file__, "--worker", str(out), "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={world}",
+            f"--master_port={free_port()}",
+            __file__,
+            "--worker",
+            str(out),
+            "--steps",
+            str(args.steps),
+        ]
         subprocess.run(cmd, env=env, check=True)
     ranks = {f.stem: json.loads(f.read_text()) for f in sorted(out.glob("world*_rank*.json"))}
     table, acts = [], {}
@@ -206,29 +260,51 @@ def main() -> None:
         per_rank = [ranks[f"world{world}_rank{r}"] for r in range(world)]
         for name in layouts:
             rows = [r["throughput"][name] for r in per_rank]
-            table.append({"world": world, "name": name, "layout": rows[0]["layout"], "tokens_per_s": rows[0]["tokens_per_s"],
-                          "step_s": rows[0]["step_s"], "model_state_mb": [x["model_state_bytes"] / 2**20 for x in rows],
-                          "rss_mb": [x["rss_bytes"] / 2**20 for x in rows]})
+            table.append(
+                {
+                    "world": world,
+                    "name": name,
+                    "layout": rows[0]["layout"],
+                    "tokens_per_s": rows[0]["tokens_per_s"],
+                    "step_s": rows[0]["step_s"],
+                    "model_state_mb": [x["model_state_bytes"] / 2**20 for x in rows],
+                    "rss_mb": [x["rss_bytes"] / 2**20 for x in rows],
+                }
+            )
         for name in ACT_MODES.get(world, {}):
             acts[name] = {"measured_per_rank": [r["activations"][name] for r in per_rank], "t": world}
     for name, a in acts.items():
         a["megatron_formula"], a["baton_formula"] = formulas(a["t"])[name], baton_formulas(a["t"])[name]
-    result = {"machine": f"{os.cpu_count()} CPU cores, gloo on loopback, 1 thread per rank",
-              "model": THROUGHPUT_MODEL, "seq": SEQ, "global_batch": GLOBAL_BATCH, "micro_batches": MICRO_BATCHES,
-              "throughput": table, "activation_study": {"s": ACT_S, "b": ACT_B, "h": ACT_H, "a": ACT_A, "modes": acts}}
+    result = {
+        "machine": f"{os.cpu_count()} CPU cores, gloo on loopback, 1 thread per rank",
+        "model": THROUGHPUT_MODEL,
+        "seq": SEQ,
+        "global_batch": GLOBAL_BATCH,
+        "micro_batches": MICRO_BATCHES,
+        "throughput": table,
+        "activation_study": {"s": ACT_S, "b": ACT_B, "h": ACT_H, "a": ACT_A, "modes": acts},
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_parallel.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "train_parallel.png")
-    print("| world | layout | tokens/s | step s | model state MB per rank | RSS MB per rank |\n|---|---|---|---|---|---|")
+    print(
+        "| world | layout | tokens/s | step s | model state MB per rank | RSS MB per rank |\n|---|---|---|---|---|---|"
+    )
     for r in table:
-        print(f"| {r['world']} | {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
-              f"{', '.join(f'{x:.2f}' for x in r['model_state_mb'])} | {', '.join(f'{x:.0f}' for x in r['rss_mb'])} |")
-    print("\n| mode | measured bytes/layer (rank 0) | Megatron formula (fp16) | Baton formula (fp32) | measured / Baton |"
-          "\n|---|---|---|---|---|")
+        print(
+            f"| {r['world']} | {r['layout']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
+            f"{', '.join(f'{x:.2f}' for x in r['model_state_mb'])} | {', '.join(f'{x:.0f}' for x in r['rss_mb'])} |"
+        )
+    print(
+        "\n| mode | measured bytes/layer (rank 0) | Megatron formula (fp16) | Baton formula (fp32) | measured / Baton |"
+        "\n|---|---|---|---|---|"
+    )
     for name, a in acts.items():
         m = a["measured_per_rank"][0]
-        print(f"| {name} (t={a['t']}) | {m:,.0f} | {a['megatron_formula']:,.0f} | {a['baton_formula']:,.0f} | "
-              f"{m / a['baton_formula']:.2f} |")
+        print(
+            f"| {name} (t={a['t']}) | {m:,.0f} | {a['megatron_formula']:,.0f} | {a['baton_formula']:,.0f} | "
+            f"{m / a['baton_formula']:.2f} |"
+        )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -252,8 +328,12 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(modes))
     b.bar([i - 0.3 for i in x], [v["measured_per_rank"][0] / 2**20 for v in modes.values()], 0.3, label="measured")
     b.bar(x, [v["baton_formula"] / 2**20 for v in modes.values()], 0.3, label="Baton formula (fp32)")
-    b.bar([i + 0.3 for i in x], [v["megatron_formula"] / 2**20 for v in modes.values()], 0.3,
-          label="Megatron formula (fp16)")
+    b.bar(
+        [i + 0.3 for i in x],
+        [v["megatron_formula"] / 2**20 for v in modes.values()],
+        0.3,
+        label="Megatron formula (fp16)",
+    )
     b.set_xticks(list(x), [f"{k} (t={v['t']})" for k, v in modes.items()], fontsize=8)
     b.set_ylabel("activation MiB per layer, rank 0")
     b.legend(fontsize=8)

@@ -34,8 +34,14 @@ H, A, B = 256, 8, 1
 
 
 def model_and_attn(layers: int, mode: str, eager: bool, seq: int):
-    cfg = ModelConfig(vocab_size=256, hidden_size=H, intermediate_size=688, num_hidden_layers=layers,
-                      num_attention_heads=A, max_position_embeddings=max(seq, 256))
+    cfg = ModelConfig(
+        vocab_size=256,
+        hidden_size=H,
+        intermediate_size=688,
+        num_hidden_layers=layers,
+        num_attention_heads=A,
+        max_position_embeddings=max(seq, 256),
+    )
     model = build_model(cfg, seed=0)
     attn = apply_recompute(model, RecomputeConfig(mode))
     if eager:
@@ -74,16 +80,23 @@ def main() -> None:
             for mode in ("none", "selective", "full"):
                 m = measure(seq, mode, core == "eager")
                 rows.append({"seq": seq, "attention": core, "mode": mode, **m, "megatron_bytes": megatron(seq, mode)})
-                print(f"seq {seq:5d} {core:5s} {mode:9s} {m['per_layer_bytes'] / 2**20:8.2f} MiB/layer "
-                      f"(Megatron fp16 {megatron(seq, mode) / 2**20:7.2f})  {m['step_s'] * 1000:7.1f} ms", flush=True)
-    (RESULTS / "train_recompute.json").write_text(json.dumps({"hidden": H, "heads": A, "batch": B, "rows": rows}, indent=2))
+                print(
+                    f"seq {seq:5d} {core:5s} {mode:9s} {m['per_layer_bytes'] / 2**20:8.2f} MiB/layer "
+                    f"(Megatron fp16 {megatron(seq, mode) / 2**20:7.2f})  {m['step_s'] * 1000:7.1f} ms",
+                    flush=True,
+                )
+    (RESULTS / "train_recompute.json").write_text(
+        json.dumps({"hidden": H, "heads": A, "batch": B, "rows": rows}, indent=2)
+    )
     plot(rows, args.seq)
     print(f"\nh={H}, a={A}, b={B}, fp32; MiB of activations per layer, step = forward + backward of 4 layers\n")
     print("| seq | core | mode | measured MiB/layer | Megatron s·b·h·(34+5as/h) (fp16) | measured / sbh | step ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['seq']} | {r['attention']} | {r['mode']} | {r['per_layer_bytes'] / 2**20:.2f} | "
-              f"{r['megatron_bytes'] / 2**20:.2f} | {r['per_layer_bytes'] / (r['seq'] * B * H):.1f} | {r['step_s'] * 1000:.1f} |")
+        print(
+            f"| {r['seq']} | {r['attention']} | {r['mode']} | {r['per_layer_bytes'] / 2**20:.2f} | "
+            f"{r['megatron_bytes'] / 2**20:.2f} | {r['per_layer_bytes'] / (r['seq'] * B * H):.1f} | {r['step_s'] * 1000:.1f} |"
+        )
 
 
 def plot(rows: list[dict], seqs: list[int]) -> None:
@@ -96,12 +109,30 @@ def plot(rows: list[dict], seqs: list[int]) -> None:
     for i, mode in enumerate(("none", "selective", "full")):
         for core, ls in (("eager", "-"), ("sdpa", ":")):
             sel = [r for r in rows if r["mode"] == mode and r["attention"] == core]
-            a.plot([r["seq"] for r in sel], [r["per_layer_bytes"] / 2**20 for r in sel], ls, marker="o", color=f"C{i}",
-                   label=f"{mode} ({core})")
-            b.plot([r["seq"] for r in sel], [r["step_s"] * 1000 for r in sel], ls, marker="o", color=f"C{i}",
-                   label=f"{mode} ({core})")
-        a.plot(seqs, [megatron(s, mode) / 2**20 for s in seqs], "--", color=f"C{i}", alpha=0.5,
-               label=f"Megatron formula, {mode} (fp16)")
+            a.plot(
+                [r["seq"] for r in sel],
+                [r["per_layer_bytes"] / 2**20 for r in sel],
+                ls,
+                marker="o",
+                color=f"C{i}",
+                label=f"{mode} ({core})",
+            )
+            b.plot(
+                [r["seq"] for r in sel],
+                [r["step_s"] * 1000 for r in sel],
+                ls,
+                marker="o",
+                color=f"C{i}",
+                label=f"{mode} ({core})",
+            )
+        a.plot(
+            seqs,
+            [megatron(s, mode) / 2**20 for s in seqs],
+            "--",
+            color=f"C{i}",
+            alpha=0.5,
+            label=f"Megatron formula, {mode} (fp16)",
+        )
     a.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="MiB per layer", title="activation memory")
     b.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="ms", title="forward + backward (4 layers)")
     a.legend(fontsize=7)

@@ -158,14 +158,22 @@ def write_weights(directory: Path, state_dict: dict[str, torch.Tensor], max_shar
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (directory / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (directory / INDEX_FILE).write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
     return names + [INDEX_FILE]
 
 
-def save_checkpoint(out_dir: str | Path, config: ModelConfig, state_dict: dict[str, torch.Tensor], *,
-                    tokenizer: Any = None, tokenizer_dir: str | Path | None = None,
-                    metadata: HandoffMetadata | None = None,
-                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def save_checkpoint(
+    out_dir: str | Path,
+    config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    *,
+    tokenizer: Any = None,
+    tokenizer_dir: str | Path | None = None,
+    metadata: HandoffMetadata | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write a handoff checkpoint atomically. `tokenizer` is anything with `.save(dir)`;
     `tokenizer_dir` is a directory whose tokenizer files are copied instead."""
     validate_state_dict(state_dict, config)
@@ -275,8 +283,9 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                    verify: bool = True) -> LoadedCheckpoint:
+def load_checkpoint(
+    directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True
+) -> LoadedCheckpoint:
     """Load a handoff checkpoint (or any HF Llama/Mistral/Qwen2/Mixtral safetensors directory)."""
     d = Path(directory)
     if not d.is_dir():
@@ -296,4 +305,3 @@ def load_checkpoint(directory: str | Path, device: torch.device | str = "cpu", d
     model = model.to(device=device, dtype=dtype or config.dtype)
     tok = d / "tokenizer.json"
     return LoadedCheckpoint(model, config, read_metadata(d), d, tok if tok.is_file() else None)
-

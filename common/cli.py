@@ -43,17 +43,30 @@ def _info(args: argparse.Namespace) -> int:
     if args.verify:
         verify_hashes(args.checkpoint)
     meta = read_metadata(args.checkpoint)
-    print(json.dumps({"config": cfg.to_dict(), "parameters": cfg.num_parameters(),
-                      "metadata": {k: v for k, v in meta.items() if k != "sha256"}}, indent=2))
+    print(
+        json.dumps(
+            {
+                "config": cfg.to_dict(),
+                "parameters": cfg.num_parameters(),
+                "metadata": {k: v for k, v in meta.items() if k != "sha256"},
+            },
+            indent=2,
+        )
+    )
     return 0
 
 
-def corpus_args(p: argparse.ArgumentParser, seq_len_help: str = "block length (as in the training recipe)",
-                val_fraction: float = 0.02) -> None:
+def corpus_args(
+    p: argparse.ArgumentParser,
+    seq_len_help: str = "block length (as in the training recipe)",
+    val_fraction: float = 0.02,
+) -> None:
     """--data/--seq-len/--val-fraction: a corpus cut as the training recipe cuts it (common.data)."""
     p.add_argument("--data", default=None, help="text/JSONL file or directory (default: the embedded corpus)")
     p.add_argument("--seq-len", type=int, default=128, help=seq_len_help)
-    p.add_argument("--val-fraction", type=float, default=val_fraction, help="held-out fraction (as in the training recipe)")
+    p.add_argument(
+        "--val-fraction", type=float, default=val_fraction, help="held-out fraction (as in the training recipe)"
+    )
 
 
 def corpus_config(args: argparse.Namespace):
@@ -74,8 +87,10 @@ def _bench(args: argparse.Namespace) -> int:
 
     scripts = {p.stem: p for p in sorted(BENCHMARKS.glob("*.py"))} if BENCHMARKS.is_dir() else {}
     if not scripts:
-        raise ValueError(f"no benchmarks next to this install ({BENCHMARKS}): `baton bench` runs from a source "
-                         "checkout installed with `pip install -e .`")
+        raise ValueError(
+            f"no benchmarks next to this install ({BENCHMARKS}): `baton bench` runs from a source "
+            "checkout installed with `pip install -e .`"
+        )
     if args.name is None:
         for name, path in scripts.items():
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
@@ -141,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command(argv)).parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     errors.reset()
     try:
         return args.func(args)

@@ -81,15 +81,26 @@ class ModelConfig:
             if not cond:
                 raise ConfigError(f"invalid model config: {msg}")
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
-            need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                 f"{name} must be a positive integer, got {value!r}")
-        need(self.num_attention_heads % self.num_key_value_heads == 0,
-             f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
-             f"num_key_value_heads ({self.num_key_value_heads})")
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name} must be a positive integer, got {value!r}",
+            )
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+            f"num_key_value_heads ({self.num_key_value_heads})",
+        )
         need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
@@ -97,21 +108,31 @@ class ModelConfig:
         need(self.torch_dtype in DTYPES, f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
         need(self.model_type in MODEL_TYPES, f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.sliding_window is not None:
-            need(isinstance(self.sliding_window, int) and self.sliding_window > 0,
-                 f"sliding_window must be a positive integer or null, got {self.sliding_window!r}")
+            need(
+                isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                f"sliding_window must be a positive integer or null, got {self.sliding_window!r}",
+            )
         if self.layer_types is not None:
-            need(len(self.layer_types) == self.num_hidden_layers,
-                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            need(
+                len(self.layer_types) == self.num_hidden_layers,
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers",
+            )
             bad = [t for t in self.layer_types if t not in LAYER_TYPES]
             need(not bad, f"layer_types entries must be in {LAYER_TYPES}, got {bad[0]!r}" if bad else "")
-            need(self.sliding_window is not None or "sliding_attention" not in self.layer_types,
-                 "layer_types asks for sliding_attention but sliding_window is not set")
+            need(
+                self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                "layer_types asks for sliding_attention but sliding_window is not set",
+            )
         if self.num_local_experts > 0:
-            need(0 < self.num_experts_per_tok <= self.num_local_experts,
-                 f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
-                 f"({self.num_local_experts})")
-        need(not (self.attention_bias and self.qkv_bias),
-             "set attention_bias (Llama: q,k,v,o) or qkv_bias (Qwen2: q,k,v), not both")
+            need(
+                0 < self.num_experts_per_tok <= self.num_local_experts,
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_local_experts "
+                f"({self.num_local_experts})",
+            )
+        need(
+            not (self.attention_bias and self.qkv_bias),
+            "set attention_bias (Llama: q,k,v,o) or qkv_bias (Qwen2: q,k,v), not both",
+        )
         self._validate_rope_scaling(need)
         self._validate_family(need)
 
@@ -127,25 +148,39 @@ class ModelConfig:
         if rope_type == "llama3":
             for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 need(key in rs, f"llama3 rope_scaling needs {key!r}")
-            need(rs["high_freq_factor"] > rs["low_freq_factor"],
-                 "llama3 rope_scaling needs high_freq_factor > low_freq_factor")
+            need(
+                rs["high_freq_factor"] > rs["low_freq_factor"],
+                "llama3 rope_scaling needs high_freq_factor > low_freq_factor",
+            )
 
     def _validate_family(self, need) -> None:
         """The exported config.json must mean the same thing to transformers."""
         t = self.model_type
-        need(t == "mixtral" or self.num_local_experts == 0,
-             f"model_type {t!r} has no MoE; use model_type 'mixtral' for num_local_experts > 0")
+        need(
+            t == "mixtral" or self.num_local_experts == 0,
+            f"model_type {t!r} has no MoE; use model_type 'mixtral' for num_local_experts > 0",
+        )
         need(t != "mixtral" or self.num_local_experts > 0, "model_type 'mixtral' needs num_local_experts > 0")
-        need((t == "qwen2") == self.qkv_bias,
-             "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
-             f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {self.qkv_bias})")
-        need(t == "llama" or not self.attention_bias,
-             f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it")
-        need(t != "llama" or self.sliding_window is None,
-             "Llama has no sliding-window attention; use model_type 'mistral'")
-        need(t == "qwen2" or self.layer_types is None or set(self.layer_types) == {"sliding_attention"}
-             or set(self.layer_types) == {"full_attention"},
-             f"per-layer attention types are Qwen2's; model_type {t!r} cannot express mixed layer_types")
+        need(
+            (t == "qwen2") == self.qkv_bias,
+            "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
+            f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {self.qkv_bias})",
+        )
+        need(
+            t == "llama" or not self.attention_bias,
+            f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it",
+        )
+        need(
+            t != "llama" or self.sliding_window is None,
+            "Llama has no sliding-window attention; use model_type 'mistral'",
+        )
+        need(
+            t == "qwen2"
+            or self.layer_types is None
+            or set(self.layer_types) == {"sliding_attention"}
+            or set(self.layer_types) == {"full_attention"},
+            f"per-layer attention types are Qwen2's; model_type {t!r} cannot express mixed layer_types",
+        )
 
     # ------------------------------------------------------------------------------ derived
     def is_sliding(self, layer_idx: int) -> bool:
@@ -194,16 +229,38 @@ class ModelConfig:
 
 PRESETS: dict[str, dict[str, Any]] = {
     # A few-minute CPU demo model.
-    "demo": dict(vocab_size=1024, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512),
+    "demo": dict(
+        vocab_size=1024,
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
     # nanoGPT's CPU Shakespeare model size (4 layers, 4 heads, 128 dim).
-    "nanogpt-cpu": dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                        num_attention_heads=4, max_position_embeddings=256),
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                     max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True,
-                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "nanogpt-cpu": dict(
+        hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=256
+    ),
+    "llama-1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    ),
 }
 
 

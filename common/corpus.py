@@ -62,9 +62,7 @@ def _parse(path: Path) -> ast.Module | None:
         return None
 
 
-def build_corpus(
-    stdlib_dir: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES
-) -> bytes:
+def build_corpus(stdlib_dir: str | os.PathLike | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """The corpus as UTF-8: whole docstrings, blank-line separated, at most `max_bytes`."""
     parts: list[bytes] = []
     size = 0

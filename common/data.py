@@ -58,9 +58,7 @@ class DataConfig:
         if not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"DataConfig.seq_len must be an integer >= 2, got {self.seq_len!r}")
         if not 0 <= self.val_fraction < 1:
-            raise ValueError(
-                f"DataConfig.val_fraction must be in [0, 1), got {self.val_fraction!r}"
-            )
+            raise ValueError(f"DataConfig.val_fraction must be in [0, 1), got {self.val_fraction!r}")
         for name in ("text_field", "ids_field"):
             if not getattr(self, name):
                 raise ValueError(f"DataConfig.{name} must be a non-empty field name")
@@ -82,9 +80,7 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~")) or "\\" in path or Path(path).suffix in BUILDERS
 
 
-def build_datasets(
-    cfg: DataConfig, tokenizer: Tokenizer
-) -> tuple[datasets.Dataset, datasets.Dataset]:
+def build_datasets(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Train and validation datasets with one column, `input_ids`: lists of seq_len + 1 ids."""
     cache = _cache_dir(cfg)
     source = cfg.path if cfg.path is not None else "the default corpus"
@@ -94,9 +90,7 @@ def build_datasets(
     # docs._fingerprint is datasets' own hash of the source (files, their modification times,
     # builder options); the tokenizer enters by its full serialized form, and whether (which)
     # given ids are used instead of encoding.
-    tokens_key = _hash(
-        PIPELINE_VERSION, docs._fingerprint, tokenizer.hf.to_str(), tokenizer.eos_token, ids_field
-    )
+    tokens_key = _hash(PIPELINE_VERSION, docs._fingerprint, tokenizer.hf.to_str(), tokenizer.eos_token, ids_field)
     tokens_file = cache / f"baton-tokens-{tokens_key}.arrow"
     if tokens_file.exists():
         log.info("Reusing the tokens of %s cached in %s", source, tokens_file)
@@ -147,8 +141,7 @@ def build_datasets(
     order = np.random.default_rng(cfg.seed).permutation(n)
     train, val = blocks.select(np.sort(order[n_val:])), blocks.select(np.sort(order[:n_val]))
     log.info(
-        "%s: %d tokens make %d blocks of %d tokens (%d tail tokens dropped): "
-        "%d for training, %d for validation",
+        "%s: %d tokens make %d blocks of %d tokens (%d tail tokens dropped): %d for training, %d for validation",
         source,
         n_tokens,
         n,
@@ -171,9 +164,7 @@ def _cache_dir(cfg: DataConfig) -> Path:
     return cache
 
 
-def _load_documents(
-    cfg: DataConfig, cache: str, vocab_size: int | None = None
-) -> datasets.Dataset:
+def _load_documents(cfg: DataConfig, cache: str, vocab_size: int | None = None) -> datasets.Dataset:
     """One row per document, in a column "text"; given a vocab_size (to check them against), JSON
     files' `ids_field` too, as a column "ids" (null where a record, or a whole file, has none)."""
     if cfg.path is None:
@@ -186,9 +177,7 @@ def _load_documents(
         if local.is_dir():
             files = sorted(f for f in local.rglob("*") if f.suffix in BUILDERS and f.is_file())
             if not files:
-                raise ValueError(
-                    f"DataConfig.path={cfg.path!r}: no .txt, .json or .jsonl files in it"
-                )
+                raise ValueError(f"DataConfig.path={cfg.path!r}: no .txt, .json or .jsonl files in it")
     parts = []
     for builder in ("text", "json"):  # a directory may hold both; text files come first
         group = [str(f) for f in files if BUILDERS[f.suffix] == builder]
@@ -196,9 +185,7 @@ def _load_documents(
             continue
         # sample_by="document": a whole .txt file is one document, not one per line.
         options = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(
-            builder, data_files=group, split="train", cache_dir=cache, **options
-        )
+        ds = datasets.load_dataset(builder, data_files=group, split="train", cache_dir=cache, **options)
         where = ", ".join(group)
         if builder == "json" and vocab_size is not None and cfg.ids_field in ds.column_names:
             ds = _text_column(ds, cfg.text_field, where, keep=cfg.ids_field)
@@ -206,10 +193,7 @@ def _load_documents(
         else:
             parts.append(_text_column(ds, "text" if builder == "text" else cfg.text_field, where))
     if any("ids" in p.column_names for p in parts):  # the text files of a mixed directory
-        parts = [
-            p if "ids" in p.column_names else p.add_column("ids", [None] * len(p), feature=IDS)
-            for p in parts
-        ]
+        parts = [p if "ids" in p.column_names else p.add_column("ids", [None] * len(p), feature=IDS) for p in parts]
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
 
 
@@ -225,14 +209,10 @@ def _load_hub(cfg: DataConfig, cache: str) -> datasets.Dataset:
     return _text_column(ds, cfg.text_field, cfg.path)
 
 
-def _text_column(
-    ds: datasets.Dataset, field: str, where: str, keep: str | None = None
-) -> datasets.Dataset:
+def _text_column(ds: datasets.Dataset, field: str, where: str, keep: str | None = None) -> datasets.Dataset:
     """The `field` column as "text" (and the `keep` column beside it)."""
     if field not in ds.column_names:
-        raise ValueError(
-            f"{where} has no {field!r} field (DataConfig.text_field); it has {ds.column_names}"
-        )
+        raise ValueError(f"{where} has no {field!r} field (DataConfig.text_field); it has {ds.column_names}")
     ds = ds.select_columns([field] if keep is None else [field, keep])
     return ds if field == "text" else ds.rename_column(field, "text")
 
@@ -243,13 +223,8 @@ def _ids_column(ds: datasets.Dataset, field: str, where: str, vocab_size: int) -
     kind = column.type
     if pa.types.is_null(kind):  # null in every record: nothing given
         return ds.rename_column(field, "ids").cast_column("ids", IDS)
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(
-        kind.value_type
-    ):
-        raise ValueError(
-            f"{where}: {field!r} (DataConfig.ids_field) must hold lists of integer token ids, "
-            f"not {kind}"
-        )
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_integer(kind.value_type):
+        raise ValueError(f"{where}: {field!r} (DataConfig.ids_field) must hold lists of integer token ids, not {kind}")
     low, high = (v.as_py() for v in pc.min_max(pc.list_flatten(column)).values())
     if low is not None and (low < 0 or high >= vocab_size):
         raise ValueError(
@@ -277,9 +252,7 @@ def _pack(table: pa.Table, block: int) -> pa.Table:
     """Concatenate every document's ids and cut them into rows of `block` ids."""
     stream = pc.list_flatten(table.column("ids")).combine_chunks()
     n = len(stream) // block
-    return pa.table(
-        {"input_ids": pa.FixedSizeListArray.from_arrays(stream.slice(0, n * block), block)}
-    )
+    return pa.table({"input_ids": pa.FixedSizeListArray.from_arrays(stream.slice(0, n * block), block)})
 
 
 def _hash(*parts: object) -> str:

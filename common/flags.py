@@ -32,8 +32,9 @@ def _defined(parser: argparse.ArgumentParser) -> set[str]:
     return {a.dest for a in parser._actions}
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-                        skip: tuple[str, ...] = (), group: str | None = None) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, prefix: str = "", skip: tuple[str, ...] = (), group: str | None = None
+) -> None:
     """One flag per scalar field of `cls` whose destination the parser does not define yet."""
     hints = typing.get_type_hints(cls)
     target = parser.add_argument_group(group or cls.__name__) if group is not False else parser
@@ -45,15 +46,27 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, prefix: str 
         default = f.default if f.default is not dataclasses.MISSING else "required"
         flag = "--" + dest.replace("_", "-")
         if typ is bool:
-            target.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{cls.__name__}.{f.name} (default: {default})")
+            target.add_argument(
+                flag,
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{cls.__name__}.{f.name} (default: {default})",
+            )
         else:
-            target.add_argument(flag, dest=dest, type=typ, default=None, metavar=typ.__name__.upper(),
-                                help=f"{cls.__name__}.{f.name} (default: {default})")
+            target.add_argument(
+                flag,
+                dest=dest,
+                type=typ,
+                default=None,
+                metavar=typ.__name__.upper(),
+                help=f"{cls.__name__}.{f.name} (default: {default})",
+            )
 
 
-def dataclass_from_flags(cls: type, args: argparse.Namespace, prefix: str = "", aliases: dict[str, str] | None = None,
-                         **given: Any) -> Any:
+def dataclass_from_flags(
+    cls: type, args: argparse.Namespace, prefix: str = "", aliases: dict[str, str] | None = None, **given: Any
+) -> Any:
     """`cls(**given, **every scalar field the flags set)`. `aliases` maps a field to a hand-written
     flag's destination (e.g. num_speculative_tokens for SpeculativeConfig)."""
     aliases = aliases or {}

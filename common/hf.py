@@ -126,10 +126,16 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.model_type == "mixtral":
         d.update(num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     if cfg.model_type == "qwen2":
-        layer_types = cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_hidden_layers
+        layer_types = (
+            cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_hidden_layers
+        )
         first_sliding = next((i for i, t in enumerate(layer_types) if t == "sliding_attention"), cfg.num_hidden_layers)
-        d.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
-                 max_window_layers=first_sliding, layer_types=layer_types)
+        d.update(
+            use_sliding_window=cfg.sliding_window is not None,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=first_sliding,
+            layer_types=layer_types,
+        )
     return d
 
 

@@ -49,9 +49,12 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.config = cfg
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)],
-                          nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
-            for _ in range(cfg.num_heads))
+            nn.Sequential(
+                *[ResBlock(cfg.hidden_size) for _ in range(cfg.num_layers)],
+                nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False),
+            )
+            for _ in range(cfg.num_heads)
+        )
 
     def init_from_lm_head(self, lm_head: nn.Linear) -> None:
         with torch.no_grad():
@@ -75,7 +78,9 @@ def save_medusa(heads: MedusaHeads, directory: str | Path) -> None:
     os.replace(tmp, d / CONFIG_FILE)
 
 
-def load_medusa(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> MedusaHeads:
+def load_medusa(
+    directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> MedusaHeads:
     d = Path(directory)
     if not (d / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{d} has no Medusa heads ({CONFIG_FILE}); train them with a medusa recipe")

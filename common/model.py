@@ -65,8 +65,12 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.scaling = self.head_dim ** -0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        self.scaling = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         h = cfg.hidden_size
@@ -81,8 +85,12 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         t = b * s
-        q, k = apply_rotary(q.reshape(t, self.num_heads, -1), k.reshape(t, self.num_kv_heads, -1),
-                            cos.reshape(t, -1), sin.reshape(t, -1))
+        q, k = apply_rotary(
+            q.reshape(t, self.num_heads, -1),
+            k.reshape(t, self.num_kv_heads, -1),
+            cos.reshape(t, -1),
+            sin.reshape(t, -1),
+        )
         out = attn(q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1), v, self)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
@@ -120,7 +128,9 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts))
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -171,8 +181,13 @@ class DecoderModel(nn.Module):
         return self.norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
 
 
-def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               attn: AttentionBackend) -> torch.Tensor:
+def run_layers(
+    layers: Iterable[DecoderLayer],
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    attn: AttentionBackend,
+) -> torch.Tensor:
     """Hidden states x through decoder `layers`, rotated for `positions`: the decoder's body, also
     run by a pipeline stage that holds some of the layers."""
     cos, sin = rotary_cos_sin(inv_freq, positions, x.dtype)
@@ -193,8 +208,9 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-               attn: AttentionBackend | None = None) -> torch.Tensor:
+    def hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionBackend | None = None
+    ) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
         return self.model(input_ids, positions, attn or DenseCausalAttention())
@@ -202,8 +218,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                attn: AttentionBackend | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionBackend | None = None
+    ) -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, vocab]."""
         return self.compute_logits(self.hidden(input_ids, positions, attn))
 
@@ -231,8 +248,9 @@ def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
     return model
 
 
-def build_model(cfg: ModelConfig, seed: int | None = 0, device: torch.device | str = "cpu",
-                dtype: torch.dtype | None = None) -> CausalLM:
+def build_model(
+    cfg: ModelConfig, seed: int | None = 0, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+) -> CausalLM:
     """A freshly initialised model in cfg's dtype (or `dtype`)."""
     model = init_weights(CausalLM(cfg), seed)
     return model.to(device=device, dtype=dtype or cfg.dtype)
@@ -246,4 +264,4 @@ def greedy_generate(model: CausalLM, prompt: torch.Tensor, max_new_tokens: int) 
     for _ in range(max_new_tokens):
         next_id = model(ids)[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=-1)
-    return ids[:, prompt.shape[-1]:]
+    return ids[:, prompt.shape[-1] :]

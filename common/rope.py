@@ -13,12 +13,11 @@ import math
 import torch
 
 
-
 def inv_frequencies(head_dim: int, rope_theta: float = 10000.0, rope_scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32 on the CPU, after rope_scaling
     (HF's rope_scaling dict: {"rope_type": "linear"|"llama3", "factor": ..., ...})."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (rope_theta ** exponents)
+    inv_freq = 1.0 / (rope_theta**exponents)
     rs = rope_scaling or {}
     rope_type = rs.get("rope_type", rs.get("type", "default"))
     if rope_type == "linear":
@@ -41,7 +40,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotary_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape positions.shape + [head_dim], computed in float32 then cast."""
     freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)

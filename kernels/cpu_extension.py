@@ -59,10 +59,12 @@ def cpu_kernels() -> ModuleType | None:
         lock.unlink(missing_ok=True)
     log.info("loading Baton's C++ CPU kernels from %s (the first time on a machine builds them: ~20 s)", folder)
     try:
-        return load(NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(folder))
+        return load(
+            NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder)
+        )
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, say so once
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        log.warning("could not build Baton's C++ CPU kernels (%s: %s); using the slower torch paths",
-                    type(e).__name__, last)
+        log.warning(
+            "could not build Baton's C++ CPU kernels (%s: %s); using the slower torch paths", type(e).__name__, last
+        )
         return None

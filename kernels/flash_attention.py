@@ -25,15 +25,43 @@ from .reference import attention_mask, gather_paged
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, Out, Lse, CuQ, CuK,
-    KCache, VCache, BlockTables, PrefixLens,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch, stride_bt, stride_lh,
-    qk_scale, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    STORE_LSE: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    CuQ,
+    CuK,
+    KCache,
+    VCache,
+    BlockTables,
+    PrefixLens,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_lh,
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -56,8 +84,11 @@ def _flash_fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
 
     total = prefix + k_len
     q_pos = total - q_len + offs_m
@@ -82,8 +113,9 @@ def _flash_fwd_kernel(
             kv_mask = k_ok[:, None] & d_ok[None, :]
             k = tl.load(KCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(VCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, qk_scale, window,
-                                        CAUSAL, WINDOWED, PRECISION)
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION
+            )
 
     new_lo = 0
     if WINDOWED:
@@ -93,18 +125,20 @@ def _flash_fwd_kernel(
         k_ok = j < k_len
         kv_rows = (k_start + j).to(tl.int64)
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, q_pos, prefix + j, k_ok, qk_scale, window,
-                                    CAUSAL, WINDOWED, PRECISION)
+        k = tl.load(K + kv_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc, m_i, l_i = attend_tile(
+            acc, m_i, l_i, q, k, v, q_pos, prefix + j, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION
+        )
 
     # Rows that see no key at all (only possible when q_len > k_len) output zeros and lse -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
     if STORE_LSE:  # log2-sum-exp2 of the scaled scores, for the backward pass
         tl.store(Lse + head * stride_lh + q_start + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
 
@@ -121,8 +155,20 @@ def _check_window(causal: bool, sliding_window: int | None) -> None:
         raise ValueError("sliding_window follows HF Mistral semantics and requires causal=True")
 
 
-def flash_attn_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, causal=True,
-                          sliding_window=None, softmax_scale=None, paged_prefix=None, with_lse=False):
+def flash_attn_fwd_triton(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+    paged_prefix=None,
+    with_lse=False,
+):
     """Launch the forward kernel; returns (out [T, Hq, D], lse [Hq, T] in log2 units or None).
 
     paged_prefix = (k_cache, v_cache, block_tables, prefix_lens) switches on the cached-prefix loop.
@@ -132,7 +178,7 @@ def flash_attn_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, 
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = alloc(q.shape, q.dtype, q.device)
     lse = alloc((num_heads, total_q), torch.float32, q.device) if with_lse else out
     if paged_prefix is not None:
@@ -146,15 +192,42 @@ def flash_attn_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, *, 
     block_m, block_n, num_warps = fwd_config(q.dtype, head_dim)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch)
     _flash_fwd_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
-        k_cache, v_cache, block_tables, prefix_lens,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), *cache_strides, lse.stride(0) if with_lse else 0,
-        scale * LOG2E, sliding_window or 0,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, WINDOWED=sliding_window is not None,
-        PAGED=paged_prefix is not None, PAGE_SIZE=page_size, STORE_LSE=with_lse,
-        PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=2,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        k_cache,
+        v_cache,
+        block_tables,
+        prefix_lens,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        *cache_strides,
+        lse.stride(0) if with_lse else 0,
+        scale * LOG2E,
+        sliding_window or 0,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal,
+        WINDOWED=sliding_window is not None,
+        PAGED=paged_prefix is not None,
+        PAGE_SIZE=page_size,
+        STORE_LSE=with_lse,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=2,
     )
     return out, (lse if with_lse else None)
 
@@ -163,11 +236,21 @@ class FlashAttnVarlen(torch.autograd.Function):
     """Triton forward + Triton backward (flash_attention_bwd) for training on packed sequences."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                sliding_window, softmax_scale):
-        out, lse = flash_attn_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal=causal,
-                                         sliding_window=sliding_window, softmax_scale=softmax_scale,
-                                         with_lse=True)
+    def forward(
+        ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale
+    ):
+        out, lse = flash_attn_fwd_triton(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            causal=causal,
+            sliding_window=sliding_window,
+            softmax_scale=softmax_scale,
+            with_lse=True,
+        )
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
         ctx.args = (max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale)
         return out
@@ -178,16 +261,29 @@ class FlashAttnVarlen(torch.autograd.Function):
 
         q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
         max_q, max_k, causal, window, scale = ctx.args
-        dq, dk, dv = flash_attn_bwd_triton(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k,
-                                           causal=causal, sliding_window=window, softmax_scale=scale)
+        dq, dk, dv = flash_attn_bwd_triton(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, sliding_window=window, softmax_scale=scale
+        )
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def flash_attn_varlen_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                             causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_varlen_triton(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """Triton path (differentiable)."""
-    return FlashAttnVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                 sliding_window, softmax_scale)
+    return FlashAttnVarlen.apply(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale
+    )
 
 
 def _sdpa(q, k, v, causal, sliding_window, scale):
@@ -202,36 +298,105 @@ def _sdpa(q, k, v, causal, sliding_window, scale):
     return o.squeeze(0).transpose(0, 1)
 
 
-def flash_attn_varlen_torch(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                            causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_varlen_torch(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """CPU path: torch SDPA per sequence (differentiable)."""
     _check_window(causal, sliding_window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs = [_sdpa(q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]], causal, sliding_window, scale)
-            for b in range(len(cq) - 1)]
+    outs = [
+        _sdpa(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], causal, sliding_window, scale)
+        for b in range(len(cq) - 1)
+    ]
     return torch.cat(outs) if outs else torch.empty_like(q)
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
-                      sliding_window=None, softmax_scale=None):
+def flash_attn_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """Attention over packed sequences: q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens int32 [B+1]."""
     impl = flash_attn_varlen_triton if use_triton(q, k, v) else flash_attn_varlen_torch
-    return impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                sliding_window=sliding_window, softmax_scale=softmax_scale)
+    return impl(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal=causal,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+    )
 
 
-def flash_attn_with_paged_prefix_triton(q, k, v, cu_seqlens_q, k_cache, v_cache, block_tables, prefix_lens,
-                                        max_seqlen_q, *, causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_with_paged_prefix_triton(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    k_cache,
+    v_cache,
+    block_tables,
+    prefix_lens,
+    max_seqlen_q,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """Triton path (inference only): new tokens attend to their cached prefix and to themselves."""
-    out, _ = flash_attn_fwd_triton(q, k, v, cu_seqlens_q, cu_seqlens_q, max_seqlen_q, causal=causal,
-                                   sliding_window=sliding_window, softmax_scale=softmax_scale,
-                                   paged_prefix=(k_cache, v_cache, block_tables, prefix_lens))
+    out, _ = flash_attn_fwd_triton(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_q,
+        max_seqlen_q,
+        causal=causal,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+        paged_prefix=(k_cache, v_cache, block_tables, prefix_lens),
+    )
     return out
 
 
-def flash_attn_with_paged_prefix_torch(q, k, v, cu_seqlens_q, k_cache, v_cache, block_tables, prefix_lens,
-                                       max_seqlen_q, *, causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_with_paged_prefix_torch(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    k_cache,
+    v_cache,
+    block_tables,
+    prefix_lens,
+    max_seqlen_q,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """CPU path: gather each prefix from the pools, prepend it to the new keys, run SDPA."""
     _check_window(causal, sliding_window)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -245,10 +410,35 @@ def flash_attn_with_paged_prefix_torch(q, k, v, cu_seqlens_q, k_cache, v_cache, 
     return torch.cat(outs) if outs else torch.empty_like(q)
 
 
-def flash_attn_with_paged_prefix(q, k, v, cu_seqlens_q, k_cache, v_cache, block_tables, prefix_lens,
-                                 max_seqlen_q, *, causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_with_paged_prefix(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    k_cache,
+    v_cache,
+    block_tables,
+    prefix_lens,
+    max_seqlen_q,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """Prefill of new tokens q/k/v [T, H, D] (packed by cu_seqlens_q) whose sequences already have
     prefix_lens[b] tokens in the paged pools k_cache/v_cache [num_blocks, block_size, Hkv, D]."""
     impl = flash_attn_with_paged_prefix_triton if use_triton(q, k, v) else flash_attn_with_paged_prefix_torch
-    return impl(q, k, v, cu_seqlens_q, k_cache, v_cache, block_tables, prefix_lens, max_seqlen_q,
-                causal=causal, sliding_window=sliding_window, softmax_scale=softmax_scale)
+    return impl(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        k_cache,
+        v_cache,
+        block_tables,
+        prefix_lens,
+        max_seqlen_q,
+        causal=causal,
+        sliding_window=sliding_window,
+        softmax_scale=softmax_scale,
+    )

@@ -20,8 +20,20 @@ from ._utils import LOG2E, alloc, dot_precision, next_pow2
 
 
 @triton.jit
-def _bwd_preprocess_kernel(Out, DOut, Delta, T, stride_ot, stride_oh, stride_dt, stride_dh, stride_lh,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_preprocess_kernel(
+    Out,
+    DOut,
+    Delta,
+    T,
+    stride_ot,
+    stride_oh,
+    stride_dt,
+    stride_dh,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -45,12 +57,32 @@ def _visible(q_pos, k_pos, q_ok, k_ok, window, CAUSAL: tl.constexpr, WINDOWED: t
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, CuQ, CuK,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_lh,
-    qk_scale, sm_scale, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    CuQ,
+    CuK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_lh,
+    qk_scale,
+    sm_scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """q/dO share strides (stride_q*), and so do k/v/dk/dv (stride_k*): the launcher makes them contiguous."""
     pid_n = tl.program_id(0)
@@ -106,12 +138,31 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, CuQ, CuK,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_lh,
-    qk_scale, sm_scale, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    CuQ,
+    CuK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_lh,
+    qk_scale,
+    sm_scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -163,30 +214,74 @@ def bwd_config(dtype: torch.dtype) -> tuple[int, int, int]:
     return (32, 32, 4) if dtype == torch.float32 else (64, 64, 4)
 
 
-def flash_attn_bwd_triton(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                          causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_bwd_triton(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     """Gradients (dq, dk, dv) given the forward's output and its log2-sum-exp lse [Hq, Tq]."""
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     batch = cu_seqlens_q.numel() - 1
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     block_d = max(16, next_pow2(head_dim))
     block_m, block_n, num_warps = bwd_config(q.dtype)
 
     delta = alloc(lse.shape, torch.float32, q.device)
     _bwd_preprocess_kernel[(triton.cdiv(total_q, 64), num_heads)](
-        out, dout, delta, total_q, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=64)
+        out,
+        dout,
+        delta,
+        total_q,
+        out.stride(0),
+        out.stride(1),
+        dout.stride(0),
+        dout.stride(1),
+        delta.stride(0),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=64,
+    )
 
     dq, dk, dv = alloc(q.shape, q.dtype, q.device), alloc(k.shape, k.dtype, k.device), alloc(v.shape, v.dtype, v.device)
-    common = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-                  BLOCK_N=block_n, CAUSAL=causal, WINDOWED=sliding_window is not None,
-                  PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=2)
-    args = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), lse.stride(0), scale * LOG2E, scale,
-            sliding_window or 0)
+    common = dict(
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        CAUSAL=causal,
+        WINDOWED=sliding_window is not None,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    args = (
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        lse.stride(0),
+        scale * LOG2E,
+        scale,
+        sliding_window or 0,
+    )
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen_k, block_n), num_kv_heads, batch)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *args, **common)
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, *args, **common
+    )
     _bwd_dq_kernel[(triton.cdiv(max_seqlen_q, block_m), num_heads, batch)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *args, **common)
+        q, k, v, dout, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, *args, **common
+    )
     return dq, dk, dv

@@ -15,9 +15,22 @@ from ._utils import next_pow2, use_triton
 
 @triton.jit
 def _reshape_and_cache_kernel(
-    K, V, KCache, VCache, SlotMapping,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    K,
+    V,
+    KCache,
+    VCache,
+    SlotMapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -42,10 +55,24 @@ def reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=next_pow2(num_heads), BLOCK_D=next_pow2(head_dim),
-        PAGE_SIZE=k_cache.shape[1], num_warps=4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_D=next_pow2(head_dim),
+        PAGE_SIZE=k_cache.shape[1],
+        num_warps=4,
     )
 
 

@@ -14,8 +14,22 @@ import triton.language as tl
 
 
 @triton.jit
-def attend_tile(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_valid, qk_scale, window,
-                CAUSAL: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
+def attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    q_pos,
+    k_pos,
+    k_valid,
+    qk_scale,
+    window,
+    CAUSAL: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One online-softmax update of (acc, m_i, l_i) with a [BLOCK_N] tile of keys k and values v.
 
     q_pos/k_pos are absolute positions; a key is visible iff k_valid and (causal) k_pos <= q_pos and

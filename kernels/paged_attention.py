@@ -36,11 +36,29 @@ from .online_softmax import attend_tile
 
 
 @triton.jit
-def _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, m_init,
-                   stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, UNIFIED: tl.constexpr,
-                   PRECISION: tl.constexpr):
+def _split_softmax(
+    q,
+    KCache,
+    VCache,
+    BlockTables,
+    seq,
+    kv_head,
+    start,
+    end,
+    m_init,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    qk_scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNIFIED: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(acc, m, l) of keys [start, end) of one sequence for the [BLOCK_H] query rows q."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -62,20 +80,45 @@ def _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, m_i
             l_i += tl.sum(p, 1)
             acc += tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         else:
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, pos, pos, ok, qk_scale, 0,
-                                        False, False, PRECISION)
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, pos, pos, ok, qk_scale, 0, False, False, PRECISION)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, KCache, VCache, BlockTables, ContextLens, MaxEstimate, Out, PartOut, PartLse,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_pb, stride_ph, stride_ps,
-    qk_scale, window, split_size,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, UNIFIED: tl.constexpr,
-    DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    KCache,
+    VCache,
+    BlockTables,
+    ContextLens,
+    MaxEstimate,
+    Out,
+    PartOut,
+    PartLse,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    qk_scale,
+    window,
+    split_size,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    UNIFIED: tl.constexpr,
+    DIRECT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,18 +144,78 @@ def _paged_decode_kernel(
     no_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     if UNIFIED:
         phi = tl.load(MaxEstimate + heads, mask=h_ok, other=0.0)  # log2 units, like the scores
-        acc, m_i, l_i = _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, phi,
-                                       stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
-                                       BLOCK_H, BLOCK_D, HEAD_DIM, PAGE_SIZE, BLOCK_N, True, PRECISION)
+        acc, m_i, l_i = _split_softmax(
+            q,
+            KCache,
+            VCache,
+            BlockTables,
+            seq,
+            kv_head,
+            start,
+            end,
+            phi,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_bt,
+            qk_scale,
+            BLOCK_H,
+            BLOCK_D,
+            HEAD_DIM,
+            PAGE_SIZE,
+            BLOCK_N,
+            True,
+            PRECISION,
+        )
         bad = h_ok & ((l_i > 1e19) | (l_i < 1e-18) | (l_i != l_i))
         if tl.max(bad.to(tl.int32), 0) > 0:  # the estimate was off: redo this split the safe way
-            acc, m_i, l_i = _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, no_max,
-                                           stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
-                                           BLOCK_H, BLOCK_D, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, PRECISION)
+            acc, m_i, l_i = _split_softmax(
+                q,
+                KCache,
+                VCache,
+                BlockTables,
+                seq,
+                kv_head,
+                start,
+                end,
+                no_max,
+                stride_cb,
+                stride_cs,
+                stride_ch,
+                stride_bt,
+                qk_scale,
+                BLOCK_H,
+                BLOCK_D,
+                HEAD_DIM,
+                PAGE_SIZE,
+                BLOCK_N,
+                False,
+                PRECISION,
+            )
     else:
-        acc, m_i, l_i = _split_softmax(q, KCache, VCache, BlockTables, seq, kv_head, start, end, no_max,
-                                       stride_cb, stride_cs, stride_ch, stride_bt, qk_scale,
-                                       BLOCK_H, BLOCK_D, HEAD_DIM, PAGE_SIZE, BLOCK_N, False, PRECISION)
+        acc, m_i, l_i = _split_softmax(
+            q,
+            KCache,
+            VCache,
+            BlockTables,
+            seq,
+            kv_head,
+            start,
+            end,
+            no_max,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            stride_bt,
+            qk_scale,
+            BLOCK_H,
+            BLOCK_D,
+            HEAD_DIM,
+            PAGE_SIZE,
+            BLOCK_N,
+            False,
+            PRECISION,
+        )
     out = acc / l_i[:, None]  # every split holds at least one visible key, so l > 0
     if DIRECT:
         tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=hd_mask)
@@ -124,9 +227,20 @@ def _paged_decode_kernel(
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    PartOut, PartLse, ContextLens, Out,
-    stride_ob, stride_oh, stride_pb, stride_ph, window, split_size,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, WINDOWED: tl.constexpr,
+    PartOut,
+    PartLse,
+    ContextLens,
+    Out,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    window,
+    split_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -155,13 +269,15 @@ def _paged_decode_reduce_kernel(
 @dataclass(frozen=True)
 class SplitPlan:
     """How one decode step cuts each sequence's keys: num_splits chunks of split_size tokens."""
+
     num_splits: int
     split_size: int
     block_n: int
 
 
-def plan_splits(batch: int, num_kv_heads: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                num_splits: int | None = None) -> SplitPlan:
+def plan_splits(
+    batch: int, num_kv_heads: int, max_len: int, dtype: torch.dtype, device: torch.device, num_splits: int | None = None
+) -> SplitPlan:
     """Enough splits for ~2 programs per SM (FlashDecoding), each split at least one key tile.
 
     max_len bounds the keys any sequence attends to; split_size is a multiple of the key tile."""
@@ -180,15 +296,25 @@ def _max_len(block_tables, page_size, sliding_window, max_context_len) -> int:
     return n if sliding_window is None else min(n, sliding_window)
 
 
-def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
-                                  sliding_window=None, num_splits=None, max_context_len=None,
-                                  max_score_estimate=None):
+def paged_attention_decode_triton(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    num_splits=None,
+    max_context_len=None,
+    max_score_estimate=None,
+):
     """Triton path; max_score_estimate (float or [Hq] tensor, in scaled-score units) selects unified max."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = q if q.stride(-1) == 1 else q.contiguous()
-    scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     group = num_heads // num_kv_heads
     max_len = _max_len(block_tables, page_size, sliding_window, max_context_len)
     plan = plan_splits(batch, num_kv_heads, max_len, q.dtype, q.device, num_splits)
@@ -203,20 +329,59 @@ def paged_attention_decode_triton(q, k_cache, v_cache, block_tables, context_len
     part_lse = alloc((batch, num_heads, plan.num_splits), torch.float32, q.device)
     block_d = max(16, next_pow2(head_dim))
     _paged_decode_kernel[(batch, num_kv_heads, plan.num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, estimate, out, part_out, part_lse,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), part_lse.stride(0), part_lse.stride(1), part_lse.stride(2),
-        scale * LOG2E, sliding_window or 0, plan.split_size,
-        GROUP=group, BLOCK_H=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=plan.block_n, WINDOWED=sliding_window is not None, UNIFIED=unified,
-        DIRECT=direct, PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        estimate,
+        out,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        part_lse.stride(2),
+        scale * LOG2E,
+        sliding_window or 0,
+        plan.split_size,
+        GROUP=group,
+        BLOCK_H=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_N=plan.block_n,
+        WINDOWED=sliding_window is not None,
+        UNIFIED=unified,
+        DIRECT=direct,
+        PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     if not direct:
         _paged_decode_reduce_kernel[(batch, num_heads)](
-            part_out, part_lse, context_lens, out, out.stride(0), out.stride(1),
-            part_lse.stride(0), part_lse.stride(1), sliding_window or 0, plan.split_size,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(plan.num_splits),
-            WINDOWED=sliding_window is not None, num_warps=4,
+            part_out,
+            part_lse,
+            context_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            sliding_window or 0,
+            plan.split_size,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=next_pow2(plan.num_splits),
+            WINDOWED=sliding_window is not None,
+            num_warps=4,
         )
     return out
 
@@ -234,9 +399,19 @@ def length_buckets(lengths: list[int], max_waste: float = 2.0) -> list[list[int]
     return groups
 
 
-def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
-                                 sliding_window=None, num_splits=None, max_context_len=None,
-                                 max_score_estimate=None):
+def paged_attention_decode_torch(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    num_splits=None,
+    max_context_len=None,
+    max_score_estimate=None,
+):
     """CPU path: rows of similar length are gathered from the pools (index_select of whole blocks)
     into a padded batch, so a batch of wildly different lengths does not copy every row at the
     longest one's length; one SDPA call per group (each GQA group's query heads as rows against
@@ -266,7 +441,8 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
                 if sliding_window is not None:
                     keep &= pos > ctx - 1 - sliding_window
                 mask = torch.zeros(n, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~keep[:, None, None, :], float("-inf"))
+                    ~keep[:, None, None, :], float("-inf")
+                )
             # the GQA group's query heads are G query rows against their shared kv head: no K/V repeat
             qg = q[idx].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
             o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=softmax_scale)
@@ -277,26 +453,61 @@ def paged_attention_decode_torch(q, k_cache, v_cache, block_tables, context_lens
     return out if out is not None else torch.empty_like(q)
 
 
-def paged_attention_decode_cpu(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
-                               sliding_window=None, num_splits=None, max_context_len=None,
-                               max_score_estimate=None, tail_mask=None):
+def paged_attention_decode_cpu(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    num_splits=None,
+    max_context_len=None,
+    max_score_estimate=None,
+    tail_mask=None,
+):
     """CPU path in C++ (csrc/paged_decode_cpu.cpp): reads K/V in place from the pools, no gather.
     float32 only; splits and estimates change nothing. tail_mask [B, T] bool (CPU only, no window):
     row b sees token t >= context_lens[b] - T only where tail_mask[b, t - context_lens[b] + T]."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     tail = tail_mask.to(torch.uint8).contiguous() if tail_mask is not None else None
-    return cpu_kernels().paged_decode(q.contiguous(), k_cache, v_cache, block_tables.to(torch.int32),
-                                      context_lens.to(torch.int32).contiguous(), scale, sliding_window or 0, tail)
+    return cpu_kernels().paged_decode(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32),
+        context_lens.to(torch.int32).contiguous(),
+        scale,
+        sliding_window or 0,
+        tail,
+    )
 
 
 def cpu_kernel_fits(q, k_cache, v_cache) -> bool:
     """True when the C++ CPU kernel can serve these tensors (float32 on CPU, and it could be built)."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
-            and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and cpu_kernels() is not None)
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(-1) == 1
+        and cpu_kernels() is not None
+    )
 
 
-def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
-                           sliding_window=None, num_splits=None, max_context_len=None, max_score_estimate=None):
+def paged_attention_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    num_splits=None,
+    max_context_len=None,
+    max_score_estimate=None,
+):
     """Decode attention: q [B, Hq, D] (one token per sequence, at position context_lens[b] - 1) over
     the paged pools. max_context_len (host int) sizes the splits without a device sync;
     max_score_estimate switches on FlashDecoding++'s unified max (Triton path only). CUDA runs the
@@ -305,6 +516,15 @@ def paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, *, s
         impl = paged_attention_decode_triton
     else:
         impl = paged_attention_decode_cpu if cpu_kernel_fits(q, k_cache, v_cache) else paged_attention_decode_torch
-    return impl(q, k_cache, v_cache, block_tables, context_lens, softmax_scale=softmax_scale,
-                sliding_window=sliding_window, num_splits=num_splits, max_context_len=max_context_len,
-                max_score_estimate=max_score_estimate)
+    return impl(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        softmax_scale=softmax_scale,
+        sliding_window=sliding_window,
+        num_splits=num_splits,
+        max_context_len=max_context_len,
+        max_score_estimate=max_score_estimate,
+    )

@@ -24,10 +24,24 @@ INT8, INT4, FP8 = 0, 1, 2
 
 @triton.jit
 def _weight_only_matmul_kernel(
-    X, W, Scales, Zeros, Out, M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_om,
-    FORMAT: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+    X,
+    W,
+    Scales,
+    Zeros,
+    Out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    FORMAT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # fastest: neighbouring programs share the activation tile in L2
     pid_m = tl.program_id(1)
@@ -76,9 +90,26 @@ def _launch(x, w, scales, zeros, fmt: int, group_size: int, n: int):
     block_k = min(group_size, 64) if fmt == INT4 else 64
     grid = (triton.cdiv(n, 64), triton.cdiv(m, block_m))
     _weight_only_matmul_kernel[grid](
-        x2, w, scales, zeros, out, m, n, k, x2.stride(0), w.stride(0), scales.stride(0), out.stride(0),
-        FORMAT=fmt, GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k,
-        PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=3,
+        x2,
+        w,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        w.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        FORMAT=fmt,
+        GROUP_SIZE=group_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=block_k,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=4,
+        num_stages=3,
     )
     return out.view(*x.shape[:-1], n)
 

@@ -16,12 +16,11 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 
 def _scale(softmax_scale: float | None, head_dim: int) -> float:
-    return softmax_scale if softmax_scale is not None else head_dim ** -0.5
+    return softmax_scale if softmax_scale is not None else head_dim**-0.5
 
 
 # ----------------------------------------------------------------------------------------- attention
-def attention_mask(q_len: int, k_len: int, causal: bool, sliding_window: int | None,
-                   device=None) -> torch.Tensor:
+def attention_mask(q_len: int, k_len: int, causal: bool, sliding_window: int | None, device=None) -> torch.Tensor:
     """[q_len, k_len] bool, True = visible. Query i sits at position k_len - q_len + i (bottom-right);
     key j is visible iff (causal) j <= i and (window) i - j < sliding_window, as in HF Mistral."""
     q_pos = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
@@ -51,8 +50,19 @@ def _attend(q, k, v, keep, scale):
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
 
-def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=True,
-                          sliding_window=None, softmax_scale=None):
+def flash_attn_varlen_ref(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     scale = _scale(softmax_scale, q.shape[-1])
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     out = torch.zeros_like(q)
@@ -63,8 +73,21 @@ def flash_attn_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return out
 
 
-def flash_attn_with_paged_prefix_ref(q, k, v, cu_seqlens_q, k_cache, v_cache, block_tables, prefix_lens,
-                                     max_seqlen_q, *, causal=True, sliding_window=None, softmax_scale=None):
+def flash_attn_with_paged_prefix_ref(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    k_cache,
+    v_cache,
+    block_tables,
+    prefix_lens,
+    max_seqlen_q,
+    *,
+    causal=True,
+    sliding_window=None,
+    softmax_scale=None,
+):
     scale = _scale(softmax_scale, q.shape[-1])
     cq = cu_seqlens_q.tolist()
     out = torch.zeros_like(q)
@@ -77,16 +100,31 @@ def flash_attn_with_paged_prefix_ref(q, k, v, cu_seqlens_q, k_cache, v_cache, bl
     return out
 
 
-def paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, *, softmax_scale=None,
-                               sliding_window=None, num_splits=None, max_context_len=None,
-                               max_score_estimate=None):
+def paged_attention_decode_ref(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    *,
+    softmax_scale=None,
+    sliding_window=None,
+    num_splits=None,
+    max_context_len=None,
+    max_score_estimate=None,
+):
     """One new token per sequence at position context_lens[b] - 1; splits and estimates change nothing."""
     scale = _scale(softmax_scale, q.shape[-1])
     out = torch.zeros_like(q)
     for b, n in enumerate(context_lens.tolist()):
         keep = attention_mask(1, n, True, sliding_window, q.device)
-        out[b] = _attend(q[b:b + 1], gather_paged(k_cache, block_tables[b], n),
-                         gather_paged(v_cache, block_tables[b], n), keep, scale)[0]
+        out[b] = _attend(
+            q[b : b + 1],
+            gather_paged(k_cache, block_tables[b], n),
+            gather_paged(v_cache, block_tables[b], n),
+            keep,
+            scale,
+        )[0]
     return out
 
 
@@ -115,10 +153,12 @@ def rotate_half(x):
 
 def apply_rotary_ref(q, k, cos, sin):
     """HF/Llama rotate_half rotary: x * cos + rotate_half(x) * sin, cos/sin [T, D] broadcast over heads."""
+
     def rot(x):
         xa = x.to(_acc(x.dtype))
         c, s = cos[:, None, :].to(xa.dtype), sin[:, None, :].to(xa.dtype)
         return (xa * c + rotate_half(xa) * s).to(x.dtype)
+
     return rot(q), rot(k)
 
 

@@ -16,8 +16,21 @@ from .reference import rms_norm_ref
 
 
 @triton.jit
-def _rms_norm_kernel(X, Residual, W, Out, ResidualOut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    X,
+    Residual,
+    W,
+    Out,
+    ResidualOut,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    N,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -45,8 +58,20 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
     res_out = alloc(x2.shape, x.dtype, x.device) if residual is not None else out
     block = next_pow2(n)
     _rms_norm_kernel[(x2.shape[0],)](
-        x2, res2, weight, out, res_out, x2.stride(0), res2.stride(0), out.stride(0), res_out.stride(0), n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        x2,
+        res2,
+        weight,
+        out,
+        res_out,
+        x2.stride(0),
+        res2.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        n,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
     )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))

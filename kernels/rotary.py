@@ -20,8 +20,22 @@ from .reference import rotate_half
 
 
 @triton.jit
-def _rotary_kernel(X, Cos, Sin, Out, stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, stride_st,
-                   NUM_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_kernel(
+    X,
+    Cos,
+    Sin,
+    Out,
+    stride_xt,
+    stride_xh,
+    stride_ot,
+    stride_oh,
+    stride_ct,
+    stride_st,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -46,8 +60,20 @@ def _rotate_triton(x, cos, sin):
     if num_tokens == 0:
         return out
     _rotary_kernel[(num_tokens,)](
-        x, cos, sin, out, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), sin.stride(0),
-        NUM_HEADS=num_heads, HALF=head_dim // 2, BLOCK_H=next_pow2(num_heads), BLOCK_HALF=next_pow2(head_dim // 2),
+        x,
+        cos,
+        sin,
+        out,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_HEADS=num_heads,
+        HALF=head_dim // 2,
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_HALF=next_pow2(head_dim // 2),
         num_warps=4,
     )
     return out
@@ -61,8 +87,7 @@ def apply_rotary_triton(q, k, cos, sin):
 
 def apply_rotary_torch(q, k, cos, sin):
     c, s = cos[:, None, :], sin[:, None, :]
-    return ((q * c.to(q.dtype) + rotate_half(q) * s.to(q.dtype)),
-            (k * c.to(k.dtype) + rotate_half(k) * s.to(k.dtype)))
+    return ((q * c.to(q.dtype) + rotate_half(q) * s.to(q.dtype)), (k * c.to(k.dtype) + rotate_half(k) * s.to(k.dtype)))
 
 
 def apply_rotary(q, k, cos, sin):

@@ -32,8 +32,20 @@ def _quantize_per_token_kernel(X, Q, Scale, N, stride_x, stride_q, BLOCK: tl.con
 
 @triton.jit
 def _w8a8_matmul_kernel(
-    A, B, AScale, BScale, Out, M, N, K, stride_am, stride_bn, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    A,
+    B,
+    AScale,
+    BScale,
+    Out,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -65,8 +77,9 @@ def quantize_per_token_triton(x):
     scales = alloc((m,), torch.float32, x.device)
     if m:
         block = next_pow2(n)
-        _quantize_per_token_kernel[(m,)](x2, q, scales, n, x2.stride(0), q.stride(0), BLOCK=block,
-                                         num_warps=min(16, max(1, block // 256)))
+        _quantize_per_token_kernel[(m,)](
+            x2, q, scales, n, x2.stride(0), q.stride(0), BLOCK=block, num_warps=min(16, max(1, block // 256))
+        )
     return q.view(x.shape), scales.view(x.shape[:-1])
 
 
@@ -88,8 +101,22 @@ def w8a8_matmul_triton(x_int8, x_scales, w_int8, w_scales, out_dtype=torch.float
     out = alloc((m, n), out_dtype, a.device)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     _w8a8_matmul_kernel[(triton.cdiv(n, 64), triton.cdiv(m, block_m))](
-        a, w_int8, x_scales.reshape(-1).float(), w_scales.float(), out, m, n, k, a.stride(0), w_int8.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3,
+        a,
+        w_int8,
+        x_scales.reshape(-1).float(),
+        w_scales.float(),
+        out,
+        m,
+        n,
+        k,
+        a.stride(0),
+        w_int8.stride(0),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        BLOCK_K=64,
+        num_warps=4,
+        num_stages=3,
     )
     return out.view(*x_int8.shape[:-1], n)
 

@@ -33,9 +33,11 @@ class Admission:
     async def slot(self) -> AsyncIterator[None]:
         if self.running >= self.max_running:
             if self.queued >= self.max_queued:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"server is full: {self.running} requests running and {self.queued} queued "
-                               "(raise --max-concurrent/--max-queued or retry later)")
+                raise RpcError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"server is full: {self.running} requests running and {self.queued} queued "
+                    "(raise --max-concurrent/--max-queued or retry later)",
+                )
             await self._wait_turn()
         else:
             self.running += 1

@@ -94,8 +94,9 @@ class AsyncLLMEngine:
                 pass
 
     # ------------------------------------------------------------------------------ callers
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         if self.dead is not None:
             raise EngineDeadError(self.failure_reason)
         if self._stopping:

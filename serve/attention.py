@@ -69,8 +69,12 @@ class AttentionMetadata:
             lens += [t.prefix_len + t.size] * t.size
             pad = torch.ones(t.size, tail_len - t.size, dtype=torch.bool)  # prefix tokens: visible
             masks.append(torch.cat([pad, t.mask.cpu()], 1))
-        return (torch.tensor(rows, device=dev), torch.tensor(tables, dtype=torch.int32, device=dev),
-                torch.tensor(lens, dtype=torch.int32, device=dev), torch.cat(masks).to(dev))
+        return (
+            torch.tensor(rows, device=dev),
+            torch.tensor(tables, dtype=torch.int32, device=dev),
+            torch.tensor(lens, dtype=torch.int32, device=dev),
+            torch.cat(masks).to(dev),
+        )
 
 
 class PagedAttention:
@@ -93,35 +97,57 @@ class PagedAttention:
         nd = md.num_decodes
         if md.trees and window is None and cpu_kernel_fits(q, k_cache, v_cache):  # all trees in one call
             rows, tables, lens, tail = md.tree_rows
-            out[rows] = paged_attention_decode_cpu(q[rows], k_cache, v_cache, tables, lens,
-                                                   softmax_scale=layer.scaling, tail_mask=tail)
+            out[rows] = paged_attention_decode_cpu(
+                q[rows], k_cache, v_cache, tables, lens, softmax_scale=layer.scaling, tail_mask=tail
+            )
         else:
             for tree in md.trees:
                 r = slice(tree.row, tree.row + tree.size)
                 out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window)
         if nd:
-            out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, md.decode_block_tables, md.decode_context_lens,
-                                              softmax_scale=layer.scaling, sliding_window=window)
+            out[:nd] = paged_attention_decode(
+                q[:nd],
+                k_cache,
+                v_cache,
+                md.decode_block_tables,
+                md.decode_context_lens,
+                softmax_scale=layer.scaling,
+                sliding_window=window,
+            )
         if md.num_prefills:
             end = nd + int(md.prefill_cu_seqlens[-1])
-            out[nd:end] = flash_attn_with_paged_prefix(q[nd:end], k[nd:end], v[nd:end], md.prefill_cu_seqlens, k_cache, v_cache,
-                                                    md.prefill_block_tables, md.prefill_prefix_lens, md.max_prefill_len,
-                                                    causal=True, sliding_window=window, softmax_scale=layer.scaling)
+            out[nd:end] = flash_attn_with_paged_prefix(
+                q[nd:end],
+                k[nd:end],
+                v[nd:end],
+                md.prefill_cu_seqlens,
+                k_cache,
+                v_cache,
+                md.prefill_block_tables,
+                md.prefill_prefix_lens,
+                md.max_prefill_len,
+                causal=True,
+                sliding_window=window,
+                softmax_scale=layer.scaling,
+            )
         return out.unsqueeze(0)
 
 
 def tree_attention(q, k, v, k_cache, v_cache, tree: TreeGroup, scale: float, window: int | None) -> torch.Tensor:
     """Tree nodes attend to the cached prefix and to their own ancestors (torch path)."""
     blocks = torch.tensor(tree.block_table, device=q.device)
-    kp = k_cache[blocks].flatten(0, 1)[:tree.prefix_len]
-    vp = v_cache[blocks].flatten(0, 1)[:tree.prefix_len]
+    kp = k_cache[blocks].flatten(0, 1)[: tree.prefix_len]
+    vp = v_cache[blocks].flatten(0, 1)[: tree.prefix_len]
     keys, vals = torch.cat([kp, k]), torch.cat([vp, v])
-    mask = torch.cat([torch.ones(tree.size, tree.prefix_len, dtype=torch.bool, device=q.device), tree.mask.to(q.device)], 1)
+    mask = torch.cat(
+        [torch.ones(tree.size, tree.prefix_len, dtype=torch.bool, device=q.device), tree.mask.to(q.device)], 1
+    )
     if window is not None:
         depth = torch.tensor(tree.depth, device=q.device)
         q_idx = tree.prefix_len + depth
         k_idx = torch.cat([torch.arange(tree.prefix_len, device=q.device), tree.prefix_len + depth])
         mask &= (q_idx[:, None] - k_idx[None, :]) < window
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(0, 1)

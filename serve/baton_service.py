@@ -27,10 +27,11 @@ def generate_response(out: RequestOutput, delta: bool) -> Message:
     msg = GenerateResponse(request_id=out.request_id, finished=out.finished)
     for c in out.outputs:
         ids = c.delta_token_ids if delta else c.token_ids
-        comp = msg.completions.add(index=c.index, text=c.delta_text if delta else c.text, token_ids=ids,
-                                   finish_reason=c.finish_reason or "")
+        comp = msg.completions.add(
+            index=c.index, text=c.delta_text if delta else c.text, token_ids=ids, finish_reason=c.finish_reason or ""
+        )
         if c.logprobs is not None:
-            for lp in c.logprobs[len(c.logprobs) - len(ids):]:
+            for lp in c.logprobs[len(c.logprobs) - len(ids) :]:
                 comp.logprobs.add().logprobs.update(lp)
         if isinstance(c.stop_reason, str):
             comp.stop_string = c.stop_reason
@@ -49,10 +50,16 @@ class BatonService:
         self.rt = runtime
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return service_handler(proto.BATON_SERVICE,
-                               unary={"Tokenize": self.tokenize, "Detokenize": self.detokenize,
-                                      "ModelInfo": self.model_info, "ServerInfo": self.server_info},
-                               server_streaming={"Generate": self.generate})
+        return service_handler(
+            proto.BATON_SERVICE,
+            unary={
+                "Tokenize": self.tokenize,
+                "Detokenize": self.detokenize,
+                "ModelInfo": self.model_info,
+                "ServerInfo": self.server_info,
+            },
+            server_streaming={"Generate": self.generate},
+        )
 
     async def generate(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
         async with self.rt.request("baton.serve.v1.BatonService/Generate", context) as call:
@@ -100,15 +107,25 @@ class BatonService:
         cfg = core.model.config
         weight = next(core.model.parameters())
         spec = core.config.speculative
-        spec_mode = "none" if spec is None else f"{spec.method} k={spec.num_speculative_tokens}" + (
-            f" tree_width={spec.tree_width}" if spec.tree_width > 1 else "")
+        spec_mode = (
+            "none"
+            if spec is None
+            else f"{spec.method} k={spec.num_speculative_tokens}"
+            + (f" tree_width={spec.tree_width}" if spec.tree_width > 1 else "")
+        )
         return proto.baton("ModelInfoResponse")(
-            name=self.rt.model_name, architecture=cfg.model_type or cfg.infer_model_type(),
-            config_json=json.dumps(cfg.to_dict(), sort_keys=True), max_context=core.max_model_len,
-            dtype=str(weight.dtype).removeprefix("torch."), quantization=self.rt.quantization,
+            name=self.rt.model_name,
+            architecture=cfg.model_type or cfg.infer_model_type(),
+            config_json=json.dumps(cfg.to_dict(), sort_keys=True),
+            max_context=core.max_model_len,
+            dtype=str(weight.dtype).removeprefix("torch."),
+            quantization=self.rt.quantization,
             speculative_mode=spec_mode,
-            vocab_size=core.vocab_size, kv_block_size=core.config.block_size,
-            kv_blocks=core.block_manager.num_blocks, device=str(weight.device))
+            vocab_size=core.vocab_size,
+            kv_block_size=core.config.block_size,
+            kv_blocks=core.block_manager.num_blocks,
+            device=str(weight.device),
+        )
 
     async def server_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         parse(proto.baton("ServerInfoRequest"), data)
@@ -118,6 +135,7 @@ class BatonService:
 
 def server_info_fields(rt: Runtime, stats: EngineStats | None) -> dict:
     """ServerInfoResponse's fields: the server's own, then the engine's by name (none while loading)."""
-    own = dict(version=VERSION, uptime_s=time.monotonic() - rt.started, state=rt.state,
-               failure_reason=rt.failure_reason or "")
+    own = dict(
+        version=VERSION, uptime_s=time.monotonic() - rt.started, state=rt.state, failure_reason=rt.failure_reason or ""
+    )
     return own if stats is None else {**own, **dataclasses.asdict(stats)}

@@ -43,8 +43,7 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -102,7 +101,7 @@ class BlockManager:
         while len(seq.block_hashes) < seq.num_tokens // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else None
-            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix of a new sequence; returns the
@@ -199,9 +198,9 @@ class BlockManager:
 
     def drop_leading_blocks(self, seq: Sequence, start: int, count: int) -> None:
         """Free `count` blocks after the first `start` ones (StreamingLLM / sliding window)."""
-        for block_id in seq.block_table[start:start + count]:
+        for block_id in seq.block_table[start : start + count]:
             self._unref(block_id)
-        del seq.block_table[start:start + count]
+        del seq.block_table[start : start + count]
         seq.num_evicted_tokens += count * self.block_size
 
     # --------------------------------------------------------------------------- swapping

@@ -40,19 +40,26 @@ def engine_config(args: argparse.Namespace):
 
     spec = None
     if getattr(args, "speculative", None) is not None:
-        spec = dataclass_from_flags(SpeculativeConfig, args, "speculative_", SPECULATIVE_ALIASES, method=args.speculative)
+        spec = dataclass_from_flags(
+            SpeculativeConfig, args, "speculative_", SPECULATIVE_ALIASES, method=args.speculative
+        )
         spec.validate()
     scheduler = dataclass_from_flags(SchedulerConfig, args)
     scheduler.validate()
-    return dataclass_from_flags(EngineConfig, args, kv_cache_bytes=args.kv_cache_mb * 2**20, scheduler=scheduler,
-                                speculative=spec)
+    return dataclass_from_flags(
+        EngineConfig, args, kv_cache_bytes=args.kv_cache_mb * 2**20, scheduler=scheduler, speculative=spec
+    )
 
 
 def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     """The engine flags a reader needs most, by hand; with `full`, one derived flag per other field."""
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "int8", "fp8"], default="auto",
-                   help="store K/V as int8 or fp8 codes with a scale per token and head (~3.6x the tokens per MB of fp32)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="store K/V as int8 or fp8 codes with a scale per token and head (~3.6x the tokens per MB of fp32)",
+    )
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides --kv-cache-mb)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -60,8 +67,13 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument("--speculative", choices=["ngram", "draft", "medusa"], default=None, help="speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
-    p.add_argument("--speculative-disable-above-batch", type=int, default=None, metavar="N",
-                   help="no speculation while more than N sequences decode (it stops paying; see docs/benchmarks.md)")
+    p.add_argument(
+        "--speculative-disable-above-batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="no speculation while more than N sequences decode (it stops paying; see docs/benchmarks.md)",
+    )
     if full:  # only when this command runs: deriving them imports the engine (torch)
         from baton.common.flags import add_dataclass_flags
         from baton.serve.engine import EngineConfig
@@ -70,8 +82,13 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
 
         add_dataclass_flags(p, EngineConfig, skip=("kv_cache_bytes",), group="engine (EngineConfig)")
         add_dataclass_flags(p, SchedulerConfig, group="scheduler (SchedulerConfig)")
-        add_dataclass_flags(p, SpeculativeConfig, "speculative_", skip=("method", *SPECULATIVE_ALIASES),
-                            group="speculative decoding (SpeculativeConfig)")
+        add_dataclass_flags(
+            p,
+            SpeculativeConfig,
+            "speculative_",
+            skip=("method", *SPECULATIVE_ALIASES),
+            group="speculative decoding (SpeculativeConfig)",
+        )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -79,8 +96,15 @@ def _generate(args: argparse.Namespace) -> int:
     from baton.serve.sampling_params import SamplingParams
 
     llm = LLM(args.model, engine_config(args))
-    params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    params = SamplingParams(
+        n=args.n,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or [],
+    )
     for out in llm.generate(args.prompt, params):
         for c in out.outputs:
             print(f"--- [{out.request_id} #{c.index}, {c.finish_reason}, {len(c.token_ids)} tokens]")
@@ -93,17 +117,35 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.serve.server import ServerConfig, run
 
     engine = engine_config(args)
-    limits = Limits(max_concurrent=args.max_concurrent, max_queued=args.max_queued,
-                    max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
-                    max_message_bytes=int(args.max_message_mb * 2**20), max_n=args.max_n,
-                    max_stop_strings=args.max_stop_strings, max_stop_string_chars=args.max_stop_chars,
-                    max_stop_token_ids=args.max_stop_token_ids)
-    return run(ServerConfig(model=args.model, model_name=args.model_name, host=args.host, port=args.port,
-                            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                            metrics_host=args.metrics_host,
-                            tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=_token(args.auth_token_file),
-                            drain_timeout_s=args.drain_timeout, device=args.device, dtype=args.dtype,
-                            limits=limits, engine=engine))
+    limits = Limits(
+        max_concurrent=args.max_concurrent,
+        max_queued=args.max_queued,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_output_tokens=args.max_output_tokens,
+        max_message_bytes=int(args.max_message_mb * 2**20),
+        max_n=args.max_n,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_chars,
+        max_stop_token_ids=args.max_stop_token_ids,
+    )
+    return run(
+        ServerConfig(
+            model=args.model,
+            model_name=args.model_name,
+            host=args.host,
+            port=args.port,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            metrics_host=args.metrics_host,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            auth_token=_token(args.auth_token_file),
+            drain_timeout_s=args.drain_timeout,
+            device=args.device,
+            dtype=args.dtype,
+            limits=limits,
+            engine=engine,
+        )
+    )
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -115,13 +157,26 @@ def _query(args: argparse.Namespace) -> int:
     with BatonClient(args.target, token=_token(args.auth_token_file), ca_file=args.ca, timeout=args.timeout) as c:
         try:
             if args.info:
-                print(json.dumps({"model": MessageToDict(c.model_info()), "server": MessageToDict(c.server_info()),
-                                  "health": c.health()}, indent=2))
+                print(
+                    json.dumps(
+                        {
+                            "model": MessageToDict(c.model_info()),
+                            "server": MessageToDict(c.server_info()),
+                            "health": c.health(),
+                        },
+                        indent=2,
+                    )
+                )
                 return 0
             if args.prompt is None:
                 raise SystemExit("baton query: give a PROMPT (or --info)")
-            sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, stop=args.stop or [])
+            sampling = dict(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                stop=args.stop or [],
+            )
             if args.seed is not None:
                 sampling["seed"] = args.seed
             finish = ""
@@ -131,8 +186,11 @@ def _query(args: argparse.Namespace) -> int:
                     finish = comp.finish_reason or finish
                 if msg.finished:
                     u = msg.usage
-                    print(f"\n--- [{msg.request_id}: {finish}, {u.prompt_tokens} prompt + "
-                          f"{u.completion_tokens} generated tokens]", file=sys.stderr)
+                    print(
+                        f"\n--- [{msg.request_id}: {finish}, {u.prompt_tokens} prompt + "
+                        f"{u.completion_tokens} generated tokens]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"baton query: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -151,8 +209,10 @@ def _distill(args: argparse.Namespace) -> int:
 
     cfg = DistillConfig(corpus_config(args), samples=args.samples, temperature=args.temperature, seed=args.seed)
     out = write_distillation_corpus(args.model, args.out, cfg)
-    print(f"Wrote {args.samples} continuations by {args.model} to {out} "
-          f"(train a draft or Medusa heads on it: data.path={out})")
+    print(
+        f"Wrote {args.samples} continuations by {args.model} to {out} "
+        f"(train a draft or Medusa heads on it: data.path={out})"
+    )
     return 0
 
 
@@ -167,8 +227,13 @@ def _quantize(args: argparse.Namespace) -> int:
     from baton.serve.quantization.quantize import quantize_checkpoint
 
     bits = args.bits or (4 if args.method in ("gptq", "awq") else 8)
-    qcfg = QuantConfig(method=args.method, bits=bits, group_size=args.group_size, act_order=args.act_order,
-                       alpha=None if args.alpha == "auto" else args.alpha)
+    qcfg = QuantConfig(
+        method=args.method,
+        bits=bits,
+        group_size=args.group_size,
+        act_order=args.act_order,
+        alpha=None if args.alpha == "auto" else args.alpha,
+    )
     out = quantize_checkpoint(args.src, args.out, qcfg, _calibration(args))
     print(f"Quantized {args.src} ({qcfg.method}, {qcfg.format}) -> {out}")
     return 0
@@ -177,7 +242,9 @@ def _quantize(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace) -> int:
     from baton.serve.quantization.prune import PruneConfig, prune_checkpoint
 
-    out = prune_checkpoint(args.src, args.out, PruneConfig(heads=args.heads, channels=args.channels), _calibration(args))
+    out = prune_checkpoint(
+        args.src, args.out, PruneConfig(heads=args.heads, channels=args.channels), _calibration(args)
+    )
     print(f"Pruned {args.src} -> {out}")
     return 0
 
@@ -234,15 +301,22 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8001, help="gRPC port (0: any free port, logged)")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (-1: off, 0: any)")
-    p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address /metrics binds (default loopback: it has no auth, unlike the gRPC port)")
+    p.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address /metrics binds (default loopback: it has no auth, unlike the gRPC port)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate (chain) to serve TLS; needs --tls-key")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--auth-token-file", default=None,
-                   help="require 'authorization: Bearer <token>' (token read from this file, else $BATON_AUTH_TOKEN)")
+    p.add_argument(
+        "--auth-token-file",
+        default=None,
+        help="require 'authorization: Bearer <token>' (token read from this file, else $BATON_AUTH_TOKEN)",
+    )
     p.add_argument("--max-concurrent", type=int, default=64, help="generation requests in the engine at once")
-    p.add_argument("--max-queued", type=int, default=256,
-                   help="requests waiting for a slot; beyond them: RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-queued", type=int, default=256, help="requests waiting for a slot; beyond them: RESOURCE_EXHAUSTED"
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt accepted (default: the context)")
     p.add_argument("--max-output-tokens", type=int, default=1024, help="largest max_tokens accepted")
     p.add_argument("--max-message-mb", type=float, default=4.0, help="largest gRPC message either way")
@@ -278,7 +352,9 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     p.add_argument("--bits", type=int, default=None, help="weight bits: 8 or 4 (default: 4 for gptq/awq, else 8)")
     p.add_argument("--group-size", type=int, default=128, help="int4 group size: 32, 64 or 128")
     p.add_argument("--act-order", action="store_true", help="GPTQ: columns in decreasing Hessian-diagonal order")
-    p.add_argument("--alpha", default=0.5, type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search")
+    p.add_argument(
+        "--alpha", default=0.5, type=_alpha, help="SmoothQuant migration strength in [0, 1], or 'auto' to search"
+    )
     p.add_argument("--calib-samples", type=int, default=128, help="calibration blocks from the training split")
     p.add_argument("--seed", type=int, default=0, help="which calibration blocks are drawn")
     corpus_args(p)

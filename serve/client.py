@@ -28,10 +28,12 @@ _METHODS = {  # name -> (response streams?, request type, response type)
 }
 
 
-def generate_request(prompt: str | list[int], unary: bool = False, model: str = "", priority: int = 0,
-                     **sampling) -> Message:
-    req = proto.baton("GenerateRequest")(model=model, unary=unary, priority=priority,
-                                         sampling=proto.baton("SamplingParams")(**sampling))
+def generate_request(
+    prompt: str | list[int], unary: bool = False, model: str = "", priority: int = 0, **sampling
+) -> Message:
+    req = proto.baton("GenerateRequest")(
+        model=model, unary=unary, priority=priority, sampling=proto.baton("SamplingParams")(**sampling)
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:
@@ -51,11 +53,16 @@ class _Base:
         self._calls = {}
         for name, (streams, _, resp) in _METHODS.items():
             make = channel.unary_stream if streams else channel.unary_unary
-            self._calls[name] = make(f"/{proto.BATON_SERVICE}/{name}", request_serializer=_serialize,
-                                     response_deserializer=proto.baton(resp).FromString)
-        self._health = channel.unary_unary("/grpc.health.v1.Health/Check",
-                                           request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-                                           response_deserializer=health_pb2.HealthCheckResponse.FromString)
+            self._calls[name] = make(
+                f"/{proto.BATON_SERVICE}/{name}",
+                request_serializer=_serialize,
+                response_deserializer=proto.baton(resp).FromString,
+            )
+        self._health = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )
 
     def _invoke(self, name: str, request: Message, timeout: float | None):
         return self._calls[name](request, timeout=timeout or self.timeout, metadata=self.metadata)
@@ -66,10 +73,17 @@ def _credentials(ca_file: str | None) -> grpc.ChannelCredentials | None:
 
 
 class BatonClient(_Base):
-    def __init__(self, target: str = "127.0.0.1:8001", *, token: str | None = None, ca_file: str | None = None,
-                 timeout: float | None = None, options: list[tuple[str, object]] | None = None):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:8001",
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float | None = None,
+        options: list[tuple[str, object]] | None = None,
+    ):
         creds = _credentials(ca_file)
-        channel = (grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options))
+        channel = grpc.secure_channel(target, creds, options) if creds else grpc.insecure_channel(target, options)
         super().__init__(channel, token, timeout)
 
     def generate(self, prompt: str | list[int], *, timeout: float | None = None, **kwargs) -> Iterator[Message]:
@@ -113,15 +127,24 @@ class BatonClient(_Base):
 
 
 class AsyncBatonClient(_Base):
-    def __init__(self, target: str = "127.0.0.1:8001", *, token: str | None = None, ca_file: str | None = None,
-                 timeout: float | None = None, options: list[tuple[str, object]] | None = None):
+    def __init__(
+        self,
+        target: str = "127.0.0.1:8001",
+        *,
+        token: str | None = None,
+        ca_file: str | None = None,
+        timeout: float | None = None,
+        options: list[tuple[str, object]] | None = None,
+    ):
         creds = _credentials(ca_file)
-        channel = (grpc.aio.secure_channel(target, creds, options) if creds
-                   else grpc.aio.insecure_channel(target, options))
+        channel = (
+            grpc.aio.secure_channel(target, creds, options) if creds else grpc.aio.insecure_channel(target, options)
+        )
         super().__init__(channel, token, timeout)
 
-    async def generate(self, prompt: str | list[int], *, timeout: float | None = None,
-                       **kwargs) -> AsyncIterator[Message]:
+    async def generate(
+        self, prompt: str | list[int], *, timeout: float | None = None, **kwargs
+    ) -> AsyncIterator[Message]:
         """Stream GenerateResponse messages; leaving the loop early cancels the request."""
         call = self._invoke("Generate", generate_request(prompt, **kwargs), timeout)
         try:

@@ -35,9 +35,23 @@ class ServerProcess:
     """`baton serve` in a subprocess; its port is read from its log line "listening on HOST:PORT"."""
 
     def __init__(self, model_dir: Path, timeout_s: float = 120.0):
-        self.proc = subprocess.Popen([sys.executable, "-m", "baton.common.cli", "serve", "--model", str(model_dir),
-                                      "--port", "0", "--metrics-port", "-1"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "baton.common.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: list[str] = []
         self.port: int | None = None
         threading.Thread(target=self._read, daemon=True).start()
@@ -93,14 +107,18 @@ def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None)
     if corpus is not None:
         overrides.append(f"data.path={corpus}")
     length = f"{steps} steps" if steps is not None else "the recipe's steps"
-    print(f"[1/4] training the demo model (configs/{DEMO_CONFIG.name}) for {length} "
-          f"on {corpus or 'the embedded Python-docstring corpus'}")
+    print(
+        f"[1/4] training the demo model (configs/{DEMO_CONFIG.name}) for {length} "
+        f"on {corpus or 'the embedded Python-docstring corpus'}"
+    )
     code = baton(["train", "--config", str(DEMO_CONFIG), *overrides])
     if code != 0:
         raise SystemExit(code)  # baton train said why
     m = last_metrics(out_dir)
-    print(f"      train loss {m['loss']:.3f}, val loss {m.get('val_loss', float('nan')):.3f}, "
-          f"{m['tokens_per_s']:,.0f} tokens/s")
+    print(
+        f"      train loss {m['loss']:.3f}, val loss {m.get('val_loss', float('nan')):.3f}, "
+        f"{m['tokens_per_s']:,.0f} tokens/s"
+    )
     handoff = out_dir / "handoff"
     print(f"[2/4] handed off to {handoff}")
     server = ServerProcess(handoff)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from baton.common.tokenizer import Tokenizer
 
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -25,10 +26,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the newly completed text (possibly empty)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
+            delta = new_text[len(prefix_text) :]
             self.text += delta
             # The emitted tokens end on a character boundary: they become the next left context.
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -37,8 +38,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence, emit whatever is left (an incomplete character as U+FFFD)."""
-        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        rest = self._decode(self.ids[self.prefix_offset:])[len(prefix_text):]
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        rest = self._decode(self.ids[self.prefix_offset :])[len(prefix_text) :]
         self.text += rest
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return rest

@@ -43,18 +43,22 @@ class DistillConfig:
             raise ValueError(f"need samples >= 1 and temperature >= 0 (got {self.samples}, {self.temperature})")
 
 
-def teacher_continuations(model_dir: str | Path, train_ds, count: int, width: int, temperature: float = 0.0,
-                          seed: int = 0) -> torch.Tensor:
+def teacher_continuations(
+    model_dir: str | Path, train_ds, count: int, width: int, temperature: float = 0.0, seed: int = 0
+) -> torch.Tensor:
     """[count, width] token blocks: a prompt (the first quarter of a random training block) and the
     model's continuation of it (greedy for temperature 0, else seeded samples)."""
     if count < 1 or len(train_ds) == 0:
-        raise ValueError(f"need at least one continuation and one training block (count {count}, "
-                         f"blocks {len(train_ds)})")
+        raise ValueError(
+            f"need at least one continuation and one training block (count {count}, blocks {len(train_ds)})"
+        )
     prompt_len = max(1, width // 4)
     pick = torch.randint(len(train_ds), (count,), generator=torch.Generator().manual_seed(seed))
     prompts = [list(train_ds[int(i)]["input_ids"][:prompt_len]) for i in pick]
-    params = [SamplingParams(temperature=temperature, max_tokens=width - prompt_len, ignore_eos=True, seed=seed + i)
-              for i in range(count)]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=width - prompt_len, ignore_eos=True, seed=seed + i)
+        for i in range(count)
+    ]
     log.info("distillation: %s continues %d prompts of %d tokens to %d tokens", model_dir, count, prompt_len, width)
     llm = LLM(model_dir, EngineConfig(kv_cache_bytes=256 * 2**20, scheduler=SchedulerConfig(max_num_seqs=64)))
     outs = llm.generate(prompts, params, use_tqdm=True)

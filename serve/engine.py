@@ -72,8 +72,13 @@ class EngineConfig:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None,
-                 model_dir: str | Path | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer | None = None,
+        config: EngineConfig | None = None,
+        model_dir: str | Path | None = None,
+    ):
         self.config = config = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
@@ -107,17 +112,25 @@ class LLMEngine:
             if config.streaming:
                 raise ValueError("speculative decoding and StreamingLLM cannot be combined")
             proposer = make_proposer(config.speculative, model_dir, mcfg.vocab_size, p.device, p.dtype)
-            self.speculative = SpeculativeDecoder(config.speculative, proposer, self.runner, self.block_manager,
-                                                  self.max_model_len)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
-                 num_blocks, config.block_size, num_blocks * block_bytes / 2**20, num_host,
-                 "on" if prefix_caching else "off",
-                 f"; StreamingLLM sinks={config.streaming_sink_tokens} window={config.streaming_window_tokens}"
-                 if config.streaming else "")
+            self.speculative = SpeculativeDecoder(
+                config.speculative, proposer, self.runner, self.block_manager, self.max_model_len
+            )
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
+            num_blocks,
+            config.block_size,
+            num_blocks * block_bytes / 2**20,
+            num_host,
+            "on" if prefix_caching else "off",
+            f"; StreamingLLM sinks={config.streaming_sink_tokens} window={config.streaming_window_tokens}"
+            if config.streaming
+            else "",
+        )
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None, device: str = "cpu",
-                        dtype: torch.dtype | None = None) -> "LLMEngine":
+    def from_checkpoint(
+        cls, path: str | Path, config: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None
+    ) -> "LLMEngine":
         ckpt = load_model(path, device=device, dtype=dtype)
         tok = Tokenizer.from_dir(path) if ckpt.tokenizer_path else None
         return cls(ckpt.model, tok, config, model_dir=path)
@@ -156,28 +169,53 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         if not self.config.streaming and len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
-                             "(prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
-            raise ValueError(f"prompt has {len(ids)} tokens, more than max_num_batched_tokens "
-                             f"({sched.max_num_batched_tokens}) with chunked prefill off")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) with chunked prefill off"
+            )
         if self.config.streaming and params.n != 1:
             raise ValueError("StreamingLLM mode generates one sample per request (n=1)")
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.validate_request(prompt, params)
-        seq = Sequence(next(self._seq_ids), request_id, 0, ids, params, priority,
-                       arrival_time if arrival_time is not None else time.monotonic())
+        seq = Sequence(
+            next(self._seq_ids),
+            request_id,
+            0,
+            ids,
+            params,
+            priority,
+            arrival_time if arrival_time is not None else time.monotonic(),
+        )
         seq.make_generator()
-        self.requests[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None, ids,
-                                                 params, [seq], [self._detok(params)], [""], [0])
+        self.requests[request_id] = RequestState(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            ids,
+            params,
+            [seq],
+            [self._detok(params)],
+            [""],
+            [0],
+        )
         self.scheduler.add(seq)
 
     def _detok(self, params: SamplingParams) -> IncrementalDetokenizer | None:
@@ -207,12 +245,21 @@ class LLMEngine:
         bm, sched = self.block_manager, self.scheduler
         spec = self.speculative.stats if self.speculative is not None else SpecStats()
         return EngineStats(
-            engine_requests=len(self.requests), waiting_seqs=len(sched.waiting), running_seqs=len(sched.running),
-            swapped_seqs=len(sched.swapped), kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
-            prefix_cache_hit_rate=bm.prefix_hit_rate, preemptions=sched.num_preemptions,
-            prompt_tokens=sched.num_computed_prompt_tokens, generation_tokens=self.num_generated_tokens,
-            spec_proposed_tokens=spec.proposed, spec_accepted_tokens=spec.accepted,
-            spec_acceptance_rate=spec.acceptance_rate, spec_mean_accepted_length=spec.mean_accepted_length)
+            engine_requests=len(self.requests),
+            waiting_seqs=len(sched.waiting),
+            running_seqs=len(sched.running),
+            swapped_seqs=len(sched.swapped),
+            kv_blocks_total=bm.num_blocks,
+            kv_blocks_free=bm.num_free_blocks,
+            prefix_cache_hit_rate=bm.prefix_hit_rate,
+            preemptions=sched.num_preemptions,
+            prompt_tokens=sched.num_computed_prompt_tokens,
+            generation_tokens=self.num_generated_tokens,
+            spec_proposed_tokens=spec.proposed,
+            spec_accepted_tokens=spec.accepted,
+            spec_acceptance_rate=spec.acceptance_rate,
+            spec_mean_accepted_length=spec.mean_accepted_length,
+        )
 
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
@@ -261,8 +308,12 @@ class LLMEngine:
             req = touched[seq.request_id] = self.requests[seq.request_id]
             try:  # (a finished sequence's request failed with another of its samples)
                 if seq.spec_token_ids and not seq.is_finished:
-                    spec.verify(seq, logits[row:row + nrows], None if hidden is None else hidden[row:row + nrows],
-                                functools.partial(self._append, req, seq, now=now))
+                    spec.verify(
+                        seq,
+                        logits[row : row + nrows],
+                        None if hidden is None else hidden[row : row + nrows],
+                        functools.partial(self._append, req, seq, now=now),
+                    )
                 elif not seq.is_finished:
                     group = [seq]
                     if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
@@ -310,8 +361,9 @@ class LLMEngine:
         """Fail one request: retire its sequences (their blocks are free at once); step() reports it."""
         if req.error is not None:
             return
-        log.error("request %s failed in %s; the engine goes on without it: %r", req.request_id, phase, exc,
-                  exc_info=exc)
+        log.error(
+            "request %s failed in %s; the engine goes on without it: %r", req.request_id, phase, exc, exc_info=exc
+        )
         req.error = f"{phase} failed: {exc!r}"
         try:
             for seq in req.seqs:
@@ -328,18 +380,32 @@ class LLMEngine:
         that request fails, not the engine."""
         s = self.scheduler
         seq = (s.swapped or s.waiting or s.running)[0]
-        self._fail(self.requests[seq.request_id], "scheduling", RuntimeError(
-            f"the scheduler made no progress: the KV cache ({self.block_manager.num_blocks} blocks, "
-            f"{self.block_manager.num_free_blocks} free) cannot hold this request's next step"))
+        self._fail(
+            self.requests[seq.request_id],
+            "scheduling",
+            RuntimeError(
+                f"the scheduler made no progress: the KV cache ({self.block_manager.num_blocks} blocks, "
+                f"{self.block_manager.num_free_blocks} free) cannot hold this request's next step"
+            ),
+        )
 
     # ------------------------------------------------------------------------------ tokens
     def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
         """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
         children = []
         for i in range(1, req.params.n):
-            child = Sequence(next(self._seq_ids), req.request_id, i, req.prompt_token_ids, req.params,
-                             parent.priority, parent.arrival_time, token_ids=list(parent.token_ids),
-                             num_computed_tokens=parent.num_computed_tokens, status=SequenceStatus.RUNNING)
+            child = Sequence(
+                next(self._seq_ids),
+                req.request_id,
+                i,
+                req.prompt_token_ids,
+                req.params,
+                parent.priority,
+                parent.arrival_time,
+                token_ids=list(parent.token_ids),
+                num_computed_tokens=parent.num_computed_tokens,
+                status=SequenceStatus.RUNNING,
+            )
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             child.make_generator()
             detok = self._detok(req.params)
@@ -383,7 +449,7 @@ class LLMEngine:
         for stop in seq.params.stop:
             at = text.find(stop)
             if at >= 0:
-                seq.output_text = text[:at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
+                seq.output_text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
                 self._finish(seq, "stop", stop)
                 return True
         return False

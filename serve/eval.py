@@ -64,7 +64,7 @@ def heldout_tokens(cfg: EvalConfig, tokenizer: Tokenizer) -> torch.Tensor:
     if len(val) == 0:
         raise ValueError(f"{cfg.data.path or 'the default corpus'} has no validation blocks; raise val_fraction")
     stream = val.with_format("torch")[:]["input_ids"].long().reshape(-1)
-    return stream[:cfg.max_tokens] if cfg.max_tokens else stream
+    return stream[: cfg.max_tokens] if cfg.max_tokens else stream
 
 
 def windows(n: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -90,16 +90,16 @@ def perplexity(model: CausalLM, tokens: torch.Tensor, cfg: EvalConfig, reference
     nll, ref_nll, count, agree = 0.0, 0.0, 0, 0
     spans = windows(tokens.numel(), cfg.window, cfg.stride)
     for i in range(0, len(spans), cfg.batch_size):
-        batch = spans[i:i + cfg.batch_size]
+        batch = spans[i : i + cfg.batch_size]
         ids = torch.zeros(len(batch), max(e - b for b, e, _ in batch), dtype=torch.long)
         for row, (b, e, _) in enumerate(batch):
-            ids[row, :e - b] = tokens[b:e]
+            ids[row, : e - b] = tokens[b:e]
         ids = ids.to(device)
         logits = model(ids).float()
         ref = reference(ids).float() if reference is not None else None
         for row, (b, e, scored) in enumerate(batch):
             pos = slice(e - b - scored - 1, e - b - 1)  # logits at pos predict the token after it
-            targets = ids[row, pos.start + 1:pos.stop + 1]
+            targets = ids[row, pos.start + 1 : pos.stop + 1]
             nll += F.cross_entropy(logits[row, pos], targets, reduction="sum").item()
             count += scored
             if ref is not None:
@@ -117,7 +117,7 @@ def greedy_match(model: CausalLM, reference: CausalLM, tokens: torch.Tensor, cfg
     device = next(model.parameters()).device
     span = cfg.greedy_prompt_len
     starts = torch.linspace(0, tokens.numel() - span, cfg.greedy_prompts).long().tolist()
-    prompts = torch.stack([tokens[s:s + span] for s in starts]).to(device)
+    prompts = torch.stack([tokens[s : s + span] for s in starts]).to(device)
     got = greedy_generate(model, prompts, cfg.greedy_new_tokens)
     want = greedy_generate(reference, prompts, cfg.greedy_new_tokens)
     same_prefix = (got == want).long().cumprod(dim=1).sum(dim=1)

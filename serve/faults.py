@@ -53,6 +53,7 @@ def injector_from_spec(spec: str) -> FaultInjector:
         for p, rx in rules:
             if p == point and rx.search(seq.request_id):
                 raise InjectedFault(f"injected fault at {point} for request {seq.request_id!r}")
+
     return inject
 
 
@@ -64,10 +65,16 @@ def injector_from_env() -> FaultInjector | None:
     return injector_from_spec(spec)
 
 
-def per_sequence(point: str, seqs: list[Sequence], fn: Callable[[list[Sequence]], list],
-                 inject: FaultInjector | None, fail: SequenceFailure) -> list[tuple]:
+def per_sequence(
+    point: str,
+    seqs: list[Sequence],
+    fn: Callable[[list[Sequence]], list],
+    inject: FaultInjector | None,
+    fail: SequenceFailure,
+) -> list[tuple]:
     """[(seq, fn's result for it)]: fn on the whole batch or, if that raises, on each sequence alone,
     calling fail(seq, point, exc) for those that still raise (finished sequences are skipped)."""
+
     def run(batch: list[Sequence]) -> list:
         if inject is not None:
             for seq in batch:
@@ -97,13 +104,16 @@ def pool_problem(bm: BlockManager, live: Iterable[Sequence]) -> str | None:
     wrong = [b.block_id for b in bm.blocks if b.ref_count != refs.get(b.block_id, 0)]
     if wrong:
         b = bm.blocks[wrong[0]]
-        return (f"KV block {b.block_id} has ref count {b.ref_count} but {refs.get(b.block_id, 0)} live sequences "
-                f"hold it ({len(wrong)} blocks disagree)")
+        return (
+            f"KV block {b.block_id} has ref count {b.ref_count} but {refs.get(b.block_id, 0)} live sequences "
+            f"hold it ({len(wrong)} blocks disagree)"
+        )
     unreferenced = {b.block_id for b in bm.blocks if b.ref_count == 0}
     if set(bm.free_blocks) != unreferenced:
         return f"the KV free list has {bm.num_free_blocks} blocks but {len(unreferenced)} are unreferenced"
     held = [h for s in live for h in s.host_block_table]
     if len(bm.host_free) + len(held) != bm.num_host_blocks or len(set(held) | set(bm.host_free)) != bm.num_host_blocks:
-        return (f"the host swap pool has {len(bm.host_free)} free and {len(held)} held blocks, "
-                f"not its {bm.num_host_blocks}")
+        return (
+            f"the host swap pool has {len(bm.host_free)} free and {len(held)} held blocks, not its {bm.num_host_blocks}"
+        )
     return None

@@ -15,15 +15,23 @@ import grpc
 from baton.serve.runtime import Runtime
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFUSALS = {"loading": "the model is still loading", "draining": "the server is shutting down",
-            "failed": "the engine failed; the server must be restarted"}
-ALWAYS_OPEN = ("/grpc.reflection.", "/inference.GRPCInferenceService/ServerLive",
-               "/inference.GRPCInferenceService/ServerReady", "/inference.GRPCInferenceService/ModelReady",
-               "/baton.serve.v1.BatonService/ServerInfo")
+REFUSALS = {
+    "loading": "the model is still loading",
+    "draining": "the server is shutting down",
+    "failed": "the engine failed; the server must be restarted",
+}
+ALWAYS_OPEN = (
+    "/grpc.reflection.",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+    "/inference.GRPCInferenceService/ModelReady",
+    "/baton.serve.v1.BatonService/ServerInfo",
+)
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as the real one that only refuses."""
+
     async def refuse(request, context: grpc.aio.ServicerContext):
         await context.abort(code, message)
 
@@ -46,8 +54,9 @@ class Gate(grpc.aio.ServerInterceptor):
         got = got.encode() if isinstance(got, str) else got
         return hmac.compare_digest(got, self._expected)
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
-                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable], details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
         method = details.method
         if handler is None or method.startswith(HEALTH_PREFIX):
@@ -62,7 +71,8 @@ class Gate(grpc.aio.ServerInterceptor):
             return self._refuse(handler, method, grpc.StatusCode.UNAVAILABLE, why)
         return handler
 
-    def _refuse(self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode,
-                why: str) -> grpc.RpcMethodHandler:
+    def _refuse(
+        self, handler: grpc.RpcMethodHandler, method: str, code: grpc.StatusCode, why: str
+    ) -> grpc.RpcMethodHandler:
         self.rt.reject(method.strip("/"), code, "-", why)
         return _refusal(handler, code, why)

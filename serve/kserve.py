@@ -30,11 +30,18 @@ class KServeService:
         self.rt = runtime
 
     def handler(self) -> grpc.GenericRpcHandler:
-        return service_handler(proto.KSERVE_SERVICE,
-                               unary={"ServerLive": self.server_live, "ServerReady": self.server_ready,
-                                      "ModelReady": self.model_ready, "ServerMetadata": self.server_metadata,
-                                      "ModelMetadata": self.model_metadata, "ModelInfer": self.model_infer},
-                               bidi_streaming={"ModelStreamInfer": self.model_stream_infer})
+        return service_handler(
+            proto.KSERVE_SERVICE,
+            unary={
+                "ServerLive": self.server_live,
+                "ServerReady": self.server_ready,
+                "ModelReady": self.model_ready,
+                "ServerMetadata": self.server_metadata,
+                "ModelMetadata": self.model_metadata,
+                "ModelInfer": self.model_infer,
+            },
+            bidi_streaming={"ModelStreamInfer": self.model_stream_infer},
+        )
 
     # ------------------------------------------------------------------------------ status
     async def server_live(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
@@ -65,11 +72,13 @@ class KServeService:
 
     # ------------------------------------------------------------------------------ inference
     def _response(self, req: Message, texts: list[str] | None, final: bool | None) -> Message:
-        return fill_response(ModelInferResponse(model_name=self.rt.model_name, model_version="1", id=req.id),
-                             texts, final)
+        return fill_response(
+            ModelInferResponse(model_name=self.rt.model_name, model_version="1", id=req.id), texts, final
+        )
 
-    async def _run(self, call: Call, req: Message, streaming_rpc: bool
-                   ) -> AsyncIterator[tuple[LLMRequest, list[str], bool]]:
+    async def _run(
+        self, call: Call, req: Message, streaming_rpc: bool
+    ) -> AsyncIterator[tuple[LLMRequest, list[str], bool]]:
         """(parsed request, texts, finished) per step when streaming, else once with the whole text."""
         self.rt.check_model(req.model_name, req.model_version)
         r = parse_llm_request(req)
@@ -112,8 +121,9 @@ class KServeService:
         finally:
             out.put_nowait(_DONE)
 
-    async def model_stream_infer(self, requests: AsyncIterator[bytes],
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
+    async def model_stream_infer(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Message]:
         """Requests on one stream run concurrently; their responses interleave."""
         out: asyncio.Queue = asyncio.Queue()
         tasks: set[asyncio.Task] = set()

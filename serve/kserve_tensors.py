@@ -33,11 +33,13 @@ class LLMRequest:
 def decode_bytes(raw: bytes, name: str) -> list[bytes]:
     items, i = [], 0
     while i < len(raw):
-        n = int.from_bytes(raw[i:i + 4], "little") if i + 4 <= len(raw) else None
+        n = int.from_bytes(raw[i : i + 4], "little") if i + 4 <= len(raw) else None
         if n is None or i + 4 + n > len(raw):
-            raise invalid(f"input {name!r}: raw BYTES contents are truncated (each element is a 4-byte "
-                          "little-endian length, then that many bytes)")
-        items.append(raw[i + 4:i + 4 + n])
+            raise invalid(
+                f"input {name!r}: raw BYTES contents are truncated (each element is a 4-byte "
+                "little-endian length, then that many bytes)"
+            )
+        items.append(raw[i + 4 : i + 4 + n])
         i += 4 + n
     return items
 
@@ -87,10 +89,14 @@ def parse_llm_request(req: Message) -> LLMRequest:
     stream = bool(values.get("stream", False))
     params = from_json(_utf8(values.get("sampling_parameters", b""), "sampling_parameters"))
     empty_final = req.parameters.get("triton_enable_empty_final_response")
-    return LLMRequest(prompt=_utf8(values["text_input"], "text_input"), params=params, stream=stream,
-                      # Triton's vLLM backend default: the prompt is repeated unless streaming.
-                      exclude_input=bool(values.get("exclude_input_in_output", stream)),
-                      empty_final=bool(empty_final is not None and empty_final.bool_param))
+    return LLMRequest(
+        prompt=_utf8(values["text_input"], "text_input"),
+        params=params,
+        stream=stream,
+        # Triton's vLLM backend default: the prompt is repeated unless streaming.
+        exclude_input=bool(values.get("exclude_input_in_output", stream)),
+        empty_final=bool(empty_final is not None and empty_final.bool_param),
+    )
 
 
 def fill_response(resp: Message, texts: list[str] | None, final: bool | None) -> Message:

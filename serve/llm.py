@@ -23,20 +23,30 @@ def prompt_of(prompt: Prompt) -> str | list[int]:
     if not isinstance(prompt, dict):
         return prompt
     if set(prompt) != {"prompt_token_ids"}:
-        raise ValueError(f"a prompt dict takes exactly one key, 'prompt_token_ids' (vLLM's TokensPrompt); "
-                         f"got {sorted(prompt)}: pass text as a str")
+        raise ValueError(
+            f"a prompt dict takes exactly one key, 'prompt_token_ids' (vLLM's TokensPrompt); "
+            f"got {sorted(prompt)}: pass text as a str"
+        )
     return list(prompt["prompt_token_ids"])
 
 
 class LLM:
-    def __init__(self, model: str | Path, config: EngineConfig | None = None, device: str = "cpu",
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        model: str | Path,
+        config: EngineConfig | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+    ):
         self.engine = LLMEngine.from_checkpoint(model, config, device=device, dtype=dtype)
         self._ids = itertools.count()
 
-    def generate(self, prompts: Prompt | list[Prompt],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (all validated before any is scheduled); outputs in prompt order."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

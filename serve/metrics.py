@@ -43,14 +43,22 @@ class EngineCollector:
             "baton_engine_waiting_seqs": ("Sequences in the engine's waiting queue", s.waiting_seqs),
             "baton_running_batch_size": ("Sequences in the running batch", s.running_seqs),
             "baton_swapped_seqs": ("Sequences swapped out to host memory", s.swapped_seqs),
-            "baton_prefix_cache_hit_rate": ("Share of prompt tokens served from the prefix cache",
-                                            s.prefix_cache_hit_rate),
-            "baton_generation_tokens_per_second": (f"Generated tokens per second over about {self._window_s:g} s",
-                                                   self._tokens_per_s(time.monotonic(), s.generation_tokens)),
-            "baton_spec_acceptance_rate": ("Speculative decoding: accepted / proposed tokens since start",
-                                           s.spec_acceptance_rate),
-            "baton_spec_mean_accepted_length": ("Speculative decoding: tokens gained per verification pass",
-                                                s.spec_mean_accepted_length),
+            "baton_prefix_cache_hit_rate": (
+                "Share of prompt tokens served from the prefix cache",
+                s.prefix_cache_hit_rate,
+            ),
+            "baton_generation_tokens_per_second": (
+                f"Generated tokens per second over about {self._window_s:g} s",
+                self._tokens_per_s(time.monotonic(), s.generation_tokens),
+            ),
+            "baton_spec_acceptance_rate": (
+                "Speculative decoding: accepted / proposed tokens since start",
+                s.spec_acceptance_rate,
+            ),
+            "baton_spec_mean_accepted_length": (
+                "Speculative decoding: tokens gained per verification pass",
+                s.spec_mean_accepted_length,
+            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -63,8 +71,10 @@ class EngineCollector:
             "baton_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens),
             "baton_generation_tokens": ("Tokens generated", s.generation_tokens),
             "baton_spec_proposed_tokens": ("Speculative decoding: tokens proposed", s.spec_proposed_tokens),
-            "baton_spec_accepted_tokens": ("Speculative decoding: proposed tokens the target accepted",
-                                           s.spec_accepted_tokens),
+            "baton_spec_accepted_tokens": (
+                "Speculative decoding: proposed tokens the target accepted",
+                s.spec_accepted_tokens,
+            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
@@ -73,12 +83,24 @@ class EngineCollector:
 class ServerMetrics:
     def __init__(self, read_engine: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
-        self.requests = Counter("baton_requests", "Finished requests by API and outcome (gRPC status)",
-                                ["api", "outcome"], registry=self.registry)
-        self.ttft = Histogram("baton_time_to_first_token_seconds", "Arrival to first generated token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("baton_inter_token_latency_seconds", "Time between streamed tokens",
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "baton_requests",
+            "Finished requests by API and outcome (gRPC status)",
+            ["api", "outcome"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "baton_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "baton_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(EngineCollector(read_engine))
         self._http = None
 

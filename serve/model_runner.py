@@ -64,8 +64,9 @@ class ExecuteResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 kv_cache_dtype: str = "auto"):
+    def __init__(
+        self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0, kv_cache_dtype: str = "auto"
+    ):
         self.model = model.eval()
         cfg = model.config
         p = next(model.parameters())
@@ -78,21 +79,35 @@ class ModelRunner:
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
         shape = (cfg.num_key_value_heads, width)
         # Zero-filled: padded block-table entries may be read (and masked), never as NaN.
-        self.kv_caches = [(torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
-                           torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device))
-                          for _ in range(cfg.num_hidden_layers)]
+        self.kv_caches = [
+            (
+                torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
+                torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
+            )
+            for _ in range(cfg.num_hidden_layers)
+        ]
         pin = self.device.type == "cuda"
-        self.host_caches = [(torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
-                             torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin))
-                            for _ in range(cfg.num_hidden_layers)] if num_host_blocks else []
+        self.host_caches = (
+            [
+                (
+                    torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
+                    torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
+                )
+                for _ in range(cfg.num_hidden_layers)
+            ]
+            if num_host_blocks
+            else []
+        )
         self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:
         """Swap-outs first: a block freed by one may be reused by a swap-in or copy this step."""
-        for pairs, src_pools, dst_pools in ((ops.swap_out, self.kv_caches, self.host_caches),
-                                            (ops.swap_in, self.host_caches, self.kv_caches),
-                                            (ops.copies, self.kv_caches, self.kv_caches)):
+        for pairs, src_pools, dst_pools in (
+            (ops.swap_out, self.kv_caches, self.host_caches),
+            (ops.swap_in, self.host_caches, self.kv_caches),
+            (ops.copies, self.kv_caches, self.kv_caches),
+        ):
             if not pairs:
                 continue
             src = torch.tensor([a for a, _ in pairs])
@@ -131,13 +146,14 @@ class ModelRunner:
             start = seq.num_computed_tokens
             first_cached = start - seq.num_evicted_tokens  # index of this chunk's first token in the cache
             row0 = len(ids)
-            ids += (seq.token_ids + seq.spec_token_ids)[start:start + n]
+            ids += (seq.token_ids + seq.spec_token_ids)[start : start + n]
             base = first_cached if positions_in_cache else start
             if seq.spec_parents is not None:
                 depth = tree_depths(seq.spec_parents)
                 positions += [base] + [base + d for d in depth]
-                tree_md.append(TreeGroup(row0, n, seq.block_table, first_cached, [0] + depth,
-                                         ancestor_mask(seq.spec_parents)))
+                tree_md.append(
+                    TreeGroup(row0, n, seq.block_table, first_cached, [0] + depth, ancestor_mask(seq.spec_parents))
+                )
             else:
                 positions += range(base, base + n)
             for c in range(first_cached, first_cached + n):
@@ -157,7 +173,9 @@ class ModelRunner:
 
         def table(rows: list[list[int]]) -> torch.Tensor:
             width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev).reshape(len(rows), width)
+            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev).reshape(
+                len(rows), width
+            )
 
         md = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
@@ -176,8 +194,13 @@ class ModelRunner:
         return input_ids, pos, md, sample
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool = False,
-                window_in_cache: bool = True, return_hidden: bool = False) -> ExecuteResult:
+    def execute(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        positions_in_cache: bool = False,
+        window_in_cache: bool = True,
+        return_hidden: bool = False,
+    ) -> ExecuteResult:
         """Run the step (hidden states are returned only with return_hidden)."""
         input_ids, positions, md, sample = self.prepare(scheduled, positions_in_cache, window_in_cache)
         self.attn.metadata = md
@@ -200,4 +223,3 @@ class ModelRunner:
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[d] = flat[s].clone()
-

@@ -31,24 +31,39 @@ class RequestState:
         for i, seq in enumerate(self.seqs):
             emitted = self.emitted_text[i]
             if self.error is not None:
-                outs.append(CompletionOutput(seq.index, emitted, seq.output_token_ids[:self.reported_tokens[i]],
-                                             "error"))
+                outs.append(
+                    CompletionOutput(seq.index, emitted, seq.output_token_ids[: self.reported_tokens[i]], "error")
+                )
                 continue
             text = seq.output_text
-            visible = text if seq.is_finished or hold == 0 else text[:max(len(emitted), len(text) - hold)]
+            visible = text if seq.is_finished or hold == 0 else text[: max(len(emitted), len(text) - hold)]
             self.emitted_text[i] = visible
-            new_ids = seq.output_token_ids[self.reported_tokens[i]:]
+            new_ids = seq.output_token_ids[self.reported_tokens[i] :]
             self.reported_tokens[i] = seq.num_output_tokens
             logprobs = list(seq.logprobs) if self.params.logprobs is not None else None
-            outs.append(CompletionOutput(seq.index, visible, list(seq.output_token_ids), seq.finish_reason,
-                                         seq.stop_reason, logprobs, visible[len(emitted):], new_ids))
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    visible,
+                    list(seq.output_token_ids),
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    logprobs,
+                    visible[len(emitted) :],
+                    new_ids,
+                )
+            )
         first = self.seqs[0]
         m = RequestMetrics(
-            arrival_time=first.arrival_time, first_scheduled_time=first.metrics.first_scheduled_time,
-            first_token_time=min((s.metrics.first_token_time for s in self.seqs if s.metrics.first_token_time),
-                                 default=None),
-            finished_time=time.monotonic() if final else None, num_prompt_tokens=len(self.prompt_token_ids),
+            arrival_time=first.arrival_time,
+            first_scheduled_time=first.metrics.first_scheduled_time,
+            first_token_time=min(
+                (s.metrics.first_token_time for s in self.seqs if s.metrics.first_token_time), default=None
+            ),
+            finished_time=time.monotonic() if final else None,
+            num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_prompt_tokens=first.metrics.num_cached_prompt_tokens,
             num_generated_tokens=sum(s.num_output_tokens for s in self.seqs),
-            num_preemptions=sum(s.metrics.num_preemptions for s in self.seqs))
+            num_preemptions=sum(s.metrics.num_preemptions for s in self.seqs),
+        )
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, final, m, self.error)

@@ -46,6 +46,7 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 def _aborting(fn: Callable) -> Callable:
     """Turn exceptions into context.abort(status) for unary and streaming handlers alike."""
     if inspect.isasyncgenfunction(fn):
+
         @functools.wraps(fn)
         async def stream(request: Any, context: grpc.aio.ServicerContext):
             try:
@@ -53,6 +54,7 @@ def _aborting(fn: Callable) -> Callable:
                     yield item
             except Exception as e:  # noqa: BLE001 - every failure must become a status
                 await context.abort(*status_of(e))
+
         return stream
 
     @functools.wraps(fn)
@@ -61,6 +63,7 @@ def _aborting(fn: Callable) -> Callable:
             return await fn(request, context)
         except Exception as e:  # noqa: BLE001
             await context.abort(*status_of(e))
+
     return unary
 
 
@@ -68,11 +71,17 @@ def _serialize(msg: Message) -> bytes:
     return msg.SerializeToString()
 
 
-def service_handler(service: str, unary: dict[str, Callable], server_streaming: dict[str, Callable] | None = None,
-                    bidi_streaming: dict[str, Callable] | None = None) -> grpc.GenericRpcHandler:
+def service_handler(
+    service: str,
+    unary: dict[str, Callable],
+    server_streaming: dict[str, Callable] | None = None,
+    bidi_streaming: dict[str, Callable] | None = None,
+) -> grpc.GenericRpcHandler:
     """A handler table for one service; requests arrive as bytes (see `parse`)."""
-    table = {name: grpc.unary_unary_rpc_method_handler(_aborting(fn), response_serializer=_serialize)
-             for name, fn in unary.items()}
+    table = {
+        name: grpc.unary_unary_rpc_method_handler(_aborting(fn), response_serializer=_serialize)
+        for name, fn in unary.items()
+    }
     for name, fn in (server_streaming or {}).items():
         table[name] = grpc.unary_stream_rpc_method_handler(_aborting(fn), response_serializer=_serialize)
     for name, fn in (bidi_streaming or {}).items():

@@ -96,8 +96,9 @@ class Runtime:
         if name and name != self.model_name:
             raise RpcError(grpc.StatusCode.NOT_FOUND, f"unknown model {name!r}; this server serves {self.model_name!r}")
         if version not in ("", "1"):
-            raise RpcError(grpc.StatusCode.NOT_FOUND,
-                           f"model {self.model_name!r} has no version {version!r} (only '1')")
+            raise RpcError(
+                grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} has no version {version!r} (only '1')"
+            )
 
     @property
     def core(self) -> LLMEngine:
@@ -110,24 +111,34 @@ class Runtime:
         """Prompt token ids after every check, or RpcError naming what is wrong."""
         lim = self.limits
         if params.max_tokens > lim.max_output_tokens:
-            raise invalid(f"max_tokens is {params.max_tokens}; this server allows at most "
-                          f"{lim.max_output_tokens} (--max-output-tokens)")
+            raise invalid(
+                f"max_tokens is {params.max_tokens}; this server allows at most "
+                f"{lim.max_output_tokens} (--max-output-tokens)"
+            )
         if params.n > lim.max_n:
             raise invalid(f"n is {params.n}; this server allows at most {lim.max_n} (--max-n)")
         if len(params.stop) > lim.max_stop_strings:
-            raise invalid(f"stop has {len(params.stop)} strings; this server allows at most "
-                          f"{lim.max_stop_strings} (--max-stop-strings)")
+            raise invalid(
+                f"stop has {len(params.stop)} strings; this server allows at most "
+                f"{lim.max_stop_strings} (--max-stop-strings)"
+            )
         longest = max(map(len, params.stop), default=0)
         if longest > lim.max_stop_string_chars:
-            raise invalid(f"a stop string has {longest} characters; this server allows at most "
-                          f"{lim.max_stop_string_chars} (--max-stop-chars)")
+            raise invalid(
+                f"a stop string has {longest} characters; this server allows at most "
+                f"{lim.max_stop_string_chars} (--max-stop-chars)"
+            )
         if len(params.stop_token_ids) > lim.max_stop_token_ids:
-            raise invalid(f"stop_token_ids has {len(params.stop_token_ids)} ids; this server allows at most "
-                          f"{lim.max_stop_token_ids} (--max-stop-token-ids)")
+            raise invalid(
+                f"stop_token_ids has {len(params.stop_token_ids)} ids; this server allows at most "
+                f"{lim.max_stop_token_ids} (--max-stop-token-ids)"
+            )
         ids = self.core.validate_request(prompt, params)  # ValueError -> INVALID_ARGUMENT
         if lim.max_prompt_tokens is not None and len(ids) > lim.max_prompt_tokens:
-            raise invalid(f"prompt has {len(ids)} tokens; this server allows at most "
-                          f"{lim.max_prompt_tokens} (--max-prompt-tokens)")
+            raise invalid(
+                f"prompt has {len(ids)} tokens; this server allows at most "
+                f"{lim.max_prompt_tokens} (--max-prompt-tokens)"
+            )
         return ids
 
     # ------------------------------------------------------------------------------ generation
@@ -152,8 +163,9 @@ class Runtime:
         finally:
             self._finish(call, outcome)
 
-    async def generate(self, call: Call, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, call: Call, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Check, wait for admission, then stream the engine's outputs (closing early aborts)."""
         ids = await asyncio.to_thread(self.prepare, prompt, params)  # a huge prompt must not stall the loop
         call.prompt_tokens = len(ids)
@@ -178,16 +190,33 @@ class Runtime:
 
     def _finish(self, call: Call, outcome: str) -> None:
         self.metrics.requests.labels(call.api, outcome).inc()
-        log.info("request id=%s api=%s model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d "
-                 "queue_ms=%s ttft_ms=%s total_ms=%.1f peer=%s", call.request_id, call.api, self.model_name, outcome,
-                 call.prompt_tokens, call.cached_tokens, call.output_tokens, _ms(call.admitted, call.start),
-                 _ms(call.first_token, call.start), (time.monotonic() - call.start) * 1e3, call.peer)
+        log.info(
+            "request id=%s api=%s model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d "
+            "queue_ms=%s ttft_ms=%s total_ms=%.1f peer=%s",
+            call.request_id,
+            call.api,
+            self.model_name,
+            outcome,
+            call.prompt_tokens,
+            call.cached_tokens,
+            call.output_tokens,
+            _ms(call.admitted, call.start),
+            _ms(call.first_token, call.start),
+            (time.monotonic() - call.start) * 1e3,
+            call.peer,
+        )
 
     def reject(self, api: str, code: grpc.StatusCode, peer: str, why: str) -> None:
         """Account for a call refused before any handler ran (auth, loading, draining)."""
         self.metrics.requests.labels(api, code.name.lower()).inc()
-        log.info("request id=- api=%s model=%s outcome=%s peer=%s reason=%r", api, self.model_name,
-                 code.name.lower(), peer, why)
+        log.info(
+            "request id=- api=%s model=%s outcome=%s peer=%s reason=%r",
+            api,
+            self.model_name,
+            code.name.lower(),
+            peer,
+            why,
+        )
 
     # ------------------------------------------------------------------------------ state
     async def attach(self, engine: AsyncLLMEngine) -> None:
@@ -213,8 +242,11 @@ class Runtime:
         if state == "draining":
             await self.health.enter_graceful_shutdown()  # NOT_SERVING for good
         else:
-            status = health_pb2.HealthCheckResponse.SERVING if state == "serving" else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if state == "serving"
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
             for name in ("", proto.BATON_SERVICE, proto.KSERVE_SERVICE):
                 await self.health.set(name, status)
 

@@ -81,8 +81,10 @@ def _one_hot(logits: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _warn_fallback() -> None:
-    log.warning("a sampling distribution was not finite (NaN/inf logits from the model, or penalties left no "
-                "finite logit): such rows are sampled greedily from the model's finite logits (logged once)")
+    log.warning(
+        "a sampling distribution was not finite (NaN/inf logits from the model, or penalties left no "
+        "finite logit): such rows are sampled greedily from the model's finite logits (logged once)"
+    )
 
 
 def target_distribution(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
@@ -126,8 +128,15 @@ def sample_one(logits: torch.Tensor, seq: Sequence) -> SampleResult:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [len(seqs), vocab]. Greedy rows without penalties take one batched argmax."""
     logits = finite_logits(logits).cpu()
-    plain = [i for i, s in enumerate(seqs) if s.params.greedy and s.params.logprobs is None
-             and s.params.repetition_penalty == 1.0 and not s.params.presence_penalty and not s.params.frequency_penalty]
+    plain = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.greedy
+        and s.params.logprobs is None
+        and s.params.repetition_penalty == 1.0
+        and not s.params.presence_penalty
+        and not s.params.frequency_penalty
+    ]
     results: list[SampleResult | None] = [None] * len(seqs)
     if plain:
         for i, tok in zip(plain, logits[plain].argmax(-1).tolist()):

@@ -55,6 +55,7 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field. Everything accepted here must sample without
         NaN/inf (the sampler relies on it), and the wire admits NaN, inf and ints past int64."""
+
         def need(cond: bool, msg: str) -> None:
             if not cond:
                 raise ValueError(msg)
@@ -70,16 +71,20 @@ class SamplingParams:
         need(1 <= self.n <= _INT32_MAX, f"n must be an integer >= 1 (and < 2**31), got {self.n!r}")
         need(1 <= self.max_tokens <= _INT32_MAX, f"max_tokens must be >= 1 (and < 2**31), got {self.max_tokens!r}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        need(self.top_k in (-1, 0) or 1 <= self.top_k <= _INT32_MAX,
-             f"top_k must be -1, 0 or positive (< 2**31), got {self.top_k!r}")
+        need(
+            self.top_k in (-1, 0) or 1 <= self.top_k <= _INT32_MAX,
+            f"top_k must be -1, 0 or positive (< 2**31), got {self.top_k!r}",
+        )
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in 0..20, got {self.logprobs!r}")
-        need(self.seed is None or -2**63 <= self.seed < 2**63,
-             f"seed must be in the int64 range [-2**63, 2**63 - 1], got {self.seed!r}")
+        need(
+            self.seed is None or -(2**63) <= self.seed < 2**63,
+            f"seed must be in the int64 range [-2**63, 2**63 - 1], got {self.seed!r}",
+        )
         need(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         bad = next((t for t in self.stop_token_ids if not _is_int(t) or t < 0), None)
         need(bad is None, f"stop_token_ids must be non-negative integers, got {bad!r}")

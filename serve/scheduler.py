@@ -84,8 +84,9 @@ class Scheduler:
         each of its steps must fit (it would stall the queue forever otherwise)."""
         bs, pool = self.bm.block_size, self.bm.num_blocks
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n is {params.n}, more than the {self.config.max_num_seqs} sequences a batch holds "
-                             "(max_num_seqs)")
+            raise ValueError(
+                f"n is {params.n}, more than the {self.config.max_num_seqs} sequences a batch holds (max_num_seqs)"
+            )
         cached = num_prompt + params.max_tokens - 1  # the last token's KV is never computed
         if isinstance(self.eviction, StreamingLLMPolicy):  # evicted down to sinks + window + a part block
             sinks = -(-self.eviction.num_sink_tokens // bs) * bs
@@ -95,13 +96,17 @@ class Scheduler:
         else:
             cached = min(cached, max_model_len - 1)
         if -(-cached // bs) > pool:
-            raise ValueError(f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "
-                             "tokens: raise the KV budget or lower max_tokens")
+            raise ValueError(
+                f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "
+                "tokens: raise the KV budget or lower max_tokens"
+            )
         # Forked after the prompt, each sample writes its next token's KV into a block of its own; with
         # fewer blocks the samples would only ever run one after another, re-prefilling.
         if params.n > 1 and cached > num_prompt and num_prompt // bs + params.n > pool:
-            raise ValueError(f"n={params.n} samples need {num_prompt // bs} shared prompt blocks plus one block "
-                             f"each, more than the KV cache's {pool}: lower n or raise the KV budget")
+            raise ValueError(
+                f"n={params.n} samples need {num_prompt // bs} shared prompt blocks plus one block "
+                f"each, more than the KV cache's {pool}: lower n or raise the KV budget"
+            )
 
     def _key(self, seq: Sequence, now: float) -> tuple[float, float, int]:
         if self.config.policy == "priority":

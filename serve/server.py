@@ -73,14 +73,19 @@ class BatonServer:
     async def start(self) -> None:
         """Bind and answer (NOT_SERVING) before the model is loaded, so probes see us loading."""
         cfg, size = self.config, self.config.limits.max_message_bytes
-        server = grpc.aio.server(interceptors=[Gate(self.rt, cfg.auth_token)],
-                                 options=[("grpc.max_receive_message_length", size),
-                                          ("grpc.max_send_message_length", size),
-                                          ("grpc.so_reuseport", 0)])  # a second server must not share our port
+        server = grpc.aio.server(
+            interceptors=[Gate(self.rt, cfg.auth_token)],
+            options=[
+                ("grpc.max_receive_message_length", size),
+                ("grpc.max_send_message_length", size),
+                ("grpc.so_reuseport", 0),
+            ],
+        )  # a second server must not share our port
         server.add_generic_rpc_handlers((BatonService(self.rt).handler(), KServeService(self.rt).handler()))
         health_pb2_grpc.add_HealthServicer_to_server(self.rt.health, server)
-        reflection.enable_server_reflection((*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server,
-                                            pool=proto.pool())
+        reflection.enable_server_reflection(
+            (*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME), server, pool=proto.pool()
+        )
         await self.rt.set_state("loading")
         address = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"  # IPv6 literals
         try:
@@ -101,8 +106,12 @@ class BatonServer:
             except OSError as e:
                 await server.stop(None)
                 raise ValueError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}") from None
-        log.info("listening on %s:%d (%s), not serving until the model is loaded", cfg.host, self.port,
-                 "TLS" if cfg.tls_cert else "plaintext")
+        log.info(
+            "listening on %s:%d (%s), not serving until the model is loaded",
+            cfg.host,
+            self.port,
+            "TLS" if cfg.tls_cert else "plaintext",
+        )
 
     async def load(self) -> None:
         cfg = self.config
@@ -117,8 +126,15 @@ class BatonServer:
         await self.rt.attach(self._engine)
         mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
         metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
-        log.info("ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s", self.rt.model_name, cfg.host, self.port,
-                 "on" if cfg.tls_cert else "off", "on" if cfg.auth_token else "off", metrics)
+        log.info(
+            "ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s",
+            self.rt.model_name,
+            cfg.host,
+            self.port,
+            "on" if cfg.tls_cert else "off",
+            "on" if cfg.auth_token else "off",
+            metrics,
+        )
 
     async def drain_and_stop(self) -> None:
         """Refuse new work, let in-flight requests finish (up to the drain timeout), then stop."""

@@ -52,6 +52,8 @@ def test_imports_only_run_down():
 
 def test_the_checker_sees_function_local_and_from_imports(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("import os\n\ndef f():\n    from baton.serve.llm import LLM\n    import baton.train.data\n"
-                     "from baton import kernels\n")
+    probe.write_text(
+        "import os\n\ndef f():\n    from baton.serve.llm import LLM\n    import baton.train.data\n"
+        "from baton import kernels\n"
+    )
     assert baton_imports(probe) == [(4, "serve"), (5, "train"), (6, "kernels")]

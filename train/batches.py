@@ -28,8 +28,10 @@ class DataPosition:
 class GlobalBatches:
     def __init__(self, ds: datasets.Dataset, global_batch: int, seed: int, position: DataPosition | None = None):
         if len(ds) < global_batch:
-            raise ValueError(f"the training split has {len(ds)} blocks, fewer than one global batch of {global_batch}: "
-                             "use more data, a shorter data.seq_len or a smaller batch")
+            raise ValueError(
+                f"the training split has {len(ds)} blocks, fewer than one global batch of {global_batch}: "
+                "use more data, a shorter data.seq_len or a smaller batch"
+            )
         self.ds, self.global_batch, self.seed = ds, global_batch, seed
         self.position = position or DataPosition()
         self._it: Iterator[torch.Tensor] | None = None
@@ -38,8 +40,9 @@ class GlobalBatches:
         """The next [global_batch, seq_len + 1] block of token ids."""
         while True:
             if self._it is None:
-                self._it = torch_loader(self.ds, self.global_batch, seed=self.seed + self.position.epoch,
-                                        start_index=self.position.index)
+                self._it = torch_loader(
+                    self.ds, self.global_batch, seed=self.seed + self.position.epoch, start_index=self.position.index
+                )
             batch = next(self._it, None)
             if batch is not None and batch.shape[0] == self.global_batch:
                 self.position.index += self.global_batch
@@ -57,4 +60,4 @@ class GlobalBatches:
 def micro_batches(batch: torch.Tensor, micro: int, accum: int, rank: int, world_size: int) -> list[torch.Tensor]:
     """This rank's `accum` micro-batches of a global batch: micro-batch a of rank r holds rows
     (a * world_size + r) * micro ... + micro, so every row is used exactly once."""
-    return [batch[(a * world_size + rank) * micro:(a * world_size + rank + 1) * micro] for a in range(accum)]
+    return [batch[(a * world_size + rank) * micro : (a * world_size + rank + 1) * micro] for a in range(accum)]

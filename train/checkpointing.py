@@ -50,7 +50,9 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete step checkpoints under `root`, oldest first (temporary ones are hidden dirs)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -86,13 +88,17 @@ def check_resumable(state: dict[str, Any], path: Path, cfg: TrainConfig, world_s
     """What must not change across a resume: the samples per step (the data order depends on it), and
     for torch3d the checkpoint format. (The data, tokenizer and seeds: baton.train.provenance.)"""
     if state["global_batch"] != cfg.global_batch(world_size):
-        raise ConfigError(f"cannot resume {path}: it was trained with a global batch of {state['global_batch']} "
-                          f"samples, this run has {cfg.global_batch(world_size)}; set global_batch_size="
-                          f"{state['global_batch']} (grad_accum_steps then follows the world size)")
+        raise ConfigError(
+            f"cannot resume {path}: it was trained with a global batch of {state['global_batch']} "
+            f"samples, this run has {cfg.global_batch(world_size)}; set global_batch_size="
+            f"{state['global_batch']} (grad_accum_steps then follows the world size)"
+        )
     if cfg.backend == "torch3d" and state["layout"]["backend"] != "torch3d":
-        raise ConfigError(f"cannot resume {path}: it was written by backend {state['layout']['backend']!r}; backend "
-                          "torch3d resumes only its own (DCP) checkpoints, at any layout. Resume it with its own "
-                          "backend, or start from its exported weights")
+        raise ConfigError(
+            f"cannot resume {path}: it was written by backend {state['layout']['backend']!r}; backend "
+            "torch3d resumes only its own (DCP) checkpoints, at any layout. Resume it with its own "
+            "backend, or start from its exported weights"
+        )
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"cannot resume {path} (step {state['step']}) with max_steps={cfg.max_steps}")
 
@@ -107,8 +113,9 @@ def saved_layout(state: dict[str, Any]) -> Layout:
     return Layout(**state["layout"])
 
 
-def save(directory: Path, backend: Backend, dist: Dist, state: dict[str, Any], model_cfg: ModelConfig,
-         tokenizer: Tokenizer) -> None:
+def save(
+    directory: Path, backend: Backend, dist: Dist, state: dict[str, Any], model_cfg: ModelConfig, tokenizer: Tokenizer
+) -> None:
     """Collective: write a checkpoint of the current step to `directory`, atomically."""
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -120,8 +127,14 @@ def save(directory: Path, backend: Backend, dist: Dist, state: dict[str, Any], m
             rng["cuda"] = torch.cuda.get_rng_state()
         save_file(rng, tmp / f"rng_rank{dist.rank}.safetensors")
         if dist.is_main:
-            full = {"format": FORMAT, "version": 1, "layout": asdict(backend.layout), "model_config": model_cfg.to_dict(),
-                    "created_unix": time.time(), **state}
+            full = {
+                "format": FORMAT,
+                "version": 1,
+                "layout": asdict(backend.layout),
+                "model_config": model_cfg.to_dict(),
+                "created_unix": time.time(),
+                **state,
+            }
             (tmp / "config.json").write_text(json.dumps(config_to_hf(model_cfg), indent=2) + "\n")
             tokenizer.save(tmp / "tokenizer")
             (tmp / STATE_FILE).write_text(json.dumps(full, indent=2) + "\n")  # written last: marks it complete
@@ -212,9 +225,16 @@ class Checkpointer:
         if not (applied and due):
             return
         self.last = self.root / f"step_{state.step:08d}"
-        trainer_state = {"step": state.step, "tokens_seen": state.tokens_seen, "data": batches.state_dict(),
-                         "global_batch": self.global_batch, "nan_streak": state.nan_streak,
-                         "skipped_steps": state.skipped_steps, "seed": self.cfg.seed, "inputs": self.inputs}
+        trainer_state = {
+            "step": state.step,
+            "tokens_seen": state.tokens_seen,
+            "data": batches.state_dict(),
+            "global_batch": self.global_batch,
+            "nan_streak": state.nan_streak,
+            "skipped_steps": state.skipped_steps,
+            "seed": self.cfg.seed,
+            "inputs": self.inputs,
+        }
         save(self.last, backend, self.dist, trainer_state, self.model_cfg, self.tokenizer)
         if self.dist.is_main:
             prune(self.root, c.keep_last)

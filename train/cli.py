@@ -44,11 +44,16 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     p = sub.add_parser("train", help="train a model, or Medusa heads for one, from a YAML recipe (configs/*.yaml)")
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
-    p.add_argument("--allow-resume-mismatch", action="store_true",
-                   help="resume even if the data, tokenizer, seq_len or seed differ from the checkpoint's (warns)")
+    p.add_argument(
+        "--allow-resume-mismatch",
+        action="store_true",
+        help="resume even if the data, tokenizer, seq_len or seed differ from the checkpoint's (warns)",
+    )
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("export", help="consolidate a training checkpoint (any backend, ZeRO shards too) into a handoff checkpoint")
+    p = sub.add_parser(
+        "export", help="consolidate a training checkpoint (any backend, ZeRO shards too) into a handoff checkpoint"
+    )
     p.add_argument("checkpoint", help="a step checkpoint, or a run's out_dir (its latest checkpoint is used)")
     p.add_argument("out", help="where the handoff checkpoint goes")
     p.set_defaults(func=_export)

@@ -138,31 +138,52 @@ class TrainConfig:
             v = getattr(self, name)
             need(isinstance(v, int) and v > 0, f"{name} must be a positive integer, got {v!r}")
         a = self.grad_accum_steps
-        need(a is None or (isinstance(a, int) and a > 0), f"grad_accum_steps must be a positive integer or null, got {a!r}")
-        need(isinstance(self.eval_interval, int) and self.eval_interval >= 0, "eval_interval must be >= 0 (0: only at the end)")
+        need(
+            a is None or (isinstance(a, int) and a > 0),
+            f"grad_accum_steps must be a positive integer or null, got {a!r}",
+        )
+        need(
+            isinstance(self.eval_interval, int) and self.eval_interval >= 0,
+            "eval_interval must be >= 0 (0: only at the end)",
+        )
         self._validate_batch(need, data_parallel_size)
         o = self.optim
         need(o.lr > 0 and 0 <= o.min_lr <= o.lr, f"need 0 <= min_lr ({o.min_lr}) <= lr ({o.lr}) and lr > 0")
-        need(0 <= o.warmup_steps <= self.max_steps, f"warmup_steps {o.warmup_steps} must be in 0..max_steps {self.max_steps}")
+        need(
+            0 <= o.warmup_steps <= self.max_steps,
+            f"warmup_steps {o.warmup_steps} must be in 0..max_steps {self.max_steps}",
+        )
         need(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "betas must be in [0, 1)")
         need(o.grad_clip >= 0 and o.weight_decay >= 0, "grad_clip and weight_decay must be >= 0")
-        need(self.tokenizer.kind in ("bpe", "char"), f"tokenizer.kind must be 'bpe' or 'char', got {self.tokenizer.kind!r}")
-        need(self.tokenizer.vocab_size >= 260 or self.tokenizer.kind == "char",
-             "tokenizer.vocab_size must be >= 260 for byte-level BPE (256 bytes + specials)")
+        need(
+            self.tokenizer.kind in ("bpe", "char"),
+            f"tokenizer.kind must be 'bpe' or 'char', got {self.tokenizer.kind!r}",
+        )
+        need(
+            self.tokenizer.vocab_size >= 260 or self.tokenizer.kind == "char",
+            "tokenizer.vocab_size must be >= 260 for byte-level BPE (256 bytes + specials)",
+        )
         if self.tokenizer.path is not None:
-            need((Path(self.tokenizer.path) / "tokenizer.json").is_file(),
-                 f"tokenizer.path {self.tokenizer.path} has no tokenizer.json")
+            need(
+                (Path(self.tokenizer.path) / "tokenizer.json").is_file(),
+                f"tokenizer.path {self.tokenizer.path} has no tokenizer.json",
+            )
         self._validate_model(need)
         self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
         r = self.recompute
         need(r.mode in RECOMPUTE_MODES, f"recompute.mode must be one of {RECOMPUTE_MODES}, got {r.mode!r}")
-        need(isinstance(r.every_n_layers, int) and r.every_n_layers > 0, "recompute.every_n_layers must be a positive integer")
+        need(
+            isinstance(r.every_n_layers, int) and r.every_n_layers > 0,
+            "recompute.every_n_layers must be a positive integer",
+        )
         c = self.checkpoint
         need(isinstance(c.interval, int) and c.interval >= 0, "checkpoint.interval must be >= 0 (0: only at the end)")
         need(isinstance(c.keep_last, int) and c.keep_last >= 1, "checkpoint.keep_last must be >= 1")
-        need(c.resume in ("auto", "never") or Path(c.resume).is_dir(),
-             f"checkpoint.resume must be 'auto', 'never' or an existing checkpoint directory, got {c.resume!r}")
+        need(
+            c.resume in ("auto", "never") or Path(c.resume).is_dir(),
+            f"checkpoint.resume must be 'auto', 'never' or an existing checkpoint directory, got {c.resume!r}",
+        )
 
     def _validate_batch(self, need, dp: int | None) -> None:
         m, a, g = self.micro_batch_size, self.grad_accum_steps, self.global_batch_size
@@ -170,25 +191,39 @@ class TrainConfig:
             return
         need(isinstance(g, int) and g > 0, f"global_batch_size must be a positive integer, got {g!r}")
         if dp is None:  # world size unknown yet: only what holds for every world size
-            need(g % (m * (a or 1)) == 0, f"global_batch_size {g} is not a multiple of micro_batch_size {m}"
-                 + (f" x grad_accum_steps {a}" if a else ""))
+            need(
+                g % (m * (a or 1)) == 0,
+                f"global_batch_size {g} is not a multiple of micro_batch_size {m}"
+                + (f" x grad_accum_steps {a}" if a else ""),
+            )
             return
         if a is None:
-            need(g % (m * dp) == 0, f"global_batch_size {g} is not divisible by micro_batch_size {m} x "
-                 f"data-parallel size {dp}, so no whole number of accumulation steps fits")
+            need(
+                g % (m * dp) == 0,
+                f"global_batch_size {g} is not divisible by micro_batch_size {m} x "
+                f"data-parallel size {dp}, so no whole number of accumulation steps fits",
+            )
         else:
-            need(g == m * a * dp, f"global_batch_size {g} != micro_batch_size {m} x grad_accum_steps {a} x "
-                 f"data-parallel size {dp} = {m * a * dp}")
+            need(
+                g == m * a * dp,
+                f"global_batch_size {g} != micro_batch_size {m} x grad_accum_steps {a} x "
+                f"data-parallel size {dp} = {m * a * dp}",
+            )
 
     def _validate_model(self, need) -> None:
         model = dict(self.model)
         name = model.pop("preset", None)
         need(name is None or name in PRESETS, f"unknown model preset {name!r}; known: {', '.join(sorted(PRESETS))}")
         mc = self.model_config(vocab_size=model.get("vocab_size", 1024))  # raises on a bad model section
-        need(mc.torch_dtype == "float32", f"training keeps float32 weights (model.torch_dtype {mc.torch_dtype!r}): "
-             "fp16 is rejected on CPU and bf16 runs ~9x slower than fp32 here")
-        need(self.data.seq_len <= mc.max_position_embeddings,
-             f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}")
+        need(
+            mc.torch_dtype == "float32",
+            f"training keeps float32 weights (model.torch_dtype {mc.torch_dtype!r}): "
+            "fp16 is rejected on CPU and bf16 runs ~9x slower than fp32 here",
+        )
+        need(
+            self.data.seq_len <= mc.max_position_embeddings,
+            f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}",
+        )
 
     def _validate_backend(self, need, dp: int | None) -> None:
         need(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -201,13 +236,24 @@ class TrainConfig:
             need(d.offload_optimizer == d.offload_param == "none", "offload needs backend: deepspeed")
             default = DeepSpeedConfig()
             changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != getattr(default, f.name)]
-            need(not changed, f"deepspeed.{', deepspeed.'.join(changed)} set, but backend is {self.backend!r}: "
-                 "the deepspeed section needs backend: deepspeed")
+            need(
+                not changed,
+                f"deepspeed.{', deepspeed.'.join(changed)} set, but backend is {self.backend!r}: "
+                "the deepspeed section needs backend: deepspeed",
+            )
             return
-        check_zero(need, d.stage, d.offload_optimizer, d.offload_param, d.nvme_path,
-                   {k: f"deepspeed.{k}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")})
-        need(not (d.cpu_adam and d.offload_optimizer == "none"),
-             "deepspeed.cpu_adam runs the optimizer on the host: it needs offload_optimizer cpu or nvme")
+        check_zero(
+            need,
+            d.stage,
+            d.offload_optimizer,
+            d.offload_param,
+            d.nvme_path,
+            {k: f"deepspeed.{k}" for k in ("stage", "offload_optimizer", "offload_param", "nvme_path")},
+        )
+        need(
+            not (d.cpu_adam and d.offload_optimizer == "none"),
+            "deepspeed.cpu_adam runs the optimizer on the host: it needs offload_optimizer cpu or nvme",
+        )
         # deepspeed.extra is merged on top: what DeepSpeed will really run is checked, not just Baton's keys.
         check_ds_config(need, self, dp if dp is not None else read_launch().world_size)
 
@@ -219,8 +265,13 @@ class TrainConfig:
             return
         world = read_launch().world_size
         accum = self.accum_steps(data_parallel_size(self.parallel, world))
-        check_layout(self.parallel, self.model_config(vocab_size=self.model.get("vocab_size", 1024)), world,
-                     max(1, accum), self.data.seq_len)
+        check_layout(
+            self.parallel,
+            self.model_config(vocab_size=self.model.get("vocab_size", 1024)),
+            world,
+            max(1, accum),
+            self.data.seq_len,
+        )
 
     def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer. The recipe's
@@ -230,21 +281,32 @@ class TrainConfig:
         base = PRESETS.get(model.pop("preset", None), {})
         v = model.get("vocab_size", vocab_size)
         if not isinstance(v, int) or v < vocab_size:
-            raise ConfigError(f"model.vocab_size {v!r} is smaller than the tokenizer's vocabulary of {vocab_size}: "
-                              "drop it (the tokenizer sets it) or make it larger")
+            raise ConfigError(
+                f"model.vocab_size {v!r} is smaller than the tokenizer's vocabulary of {vocab_size}: "
+                "drop it (the tokenizer sets it) or make it larger"
+            )
         for name, tid in token_ids.items():
             if name in model and model[name] != tid:
-                raise ConfigError(f"model.{name} {model[name]!r} disagrees with the tokenizer's {tid!r}: drop it "
-                                  "(the tokenizer sets it)")
+                raise ConfigError(
+                    f"model.{name} {model[name]!r} disagrees with the tokenizer's {tid!r}: drop it "
+                    "(the tokenizer sets it)"
+                )
         return ModelConfig.from_dict({**base, "vocab_size": vocab_size, **token_ids, **model})
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-_SECTIONS = {"data": DataConfig, "tokenizer": TokenizerConfig, "optim": OptimConfig, "deepspeed": DeepSpeedConfig,
-             "recompute": RecomputeConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
-             "parallel": ParallelConfig}
+_SECTIONS = {
+    "data": DataConfig,
+    "tokenizer": TokenizerConfig,
+    "optim": OptimConfig,
+    "deepspeed": DeepSpeedConfig,
+    "recompute": RecomputeConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "parallel": ParallelConfig,
+}
 
 
 def _build(cls: type, raw: dict[str, Any], where: str) -> Any:

@@ -25,8 +25,10 @@ Need = Callable[[bool, str], None]
 EXTRA = "deepspeed.extra"
 PRECISION_SECTIONS = ("fp16", "bf16", "bfloat16", "torch_autocast")  # "bfloat16": DeepSpeed's old name for bf16
 LEGACY_OFFLOAD = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")  # old spellings of offload_*
-FIXED = {"zero_allow_untested_optimizer": True,  # Baton's AdamW is not on DeepSpeed's list
-         "zero_force_ds_cpu_optimizer": False}  # torch AdamW on offloaded state is allowed (slower)
+FIXED = {
+    "zero_allow_untested_optimizer": True,  # Baton's AdamW is not on DeepSpeed's list
+    "zero_force_ds_cpu_optimizer": False,
+}  # torch AdamW on offloaded state is allowed (slower)
 
 
 def ds_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -62,11 +64,16 @@ def check_zero(need: Need, stage: Any, opt: Any, param: Any, nvme_path: Any, nam
     for name, v in ((o, opt), (p, param)):
         need(v in ("none", "cpu", "nvme"), f"{name} must be one of ('none', 'cpu', 'nvme'), got {v!r}")
     need(opt == "none" or stage >= 1, f"{o} needs ZeRO stage >= 1 (it is {opt!r}, {s} is {stage})")
-    need(param == "none" or stage == 3, f"{p} needs ZeRO stage 3: only stage 3 shards parameters (it is {param!r}, "
-         f"{s} is {stage})")
+    need(
+        param == "none" or stage == 3,
+        f"{p} needs ZeRO stage 3: only stage 3 shards parameters (it is {param!r}, {s} is {stage})",
+    )
     # Trap: DeepSpeed accepts nvme optimizer offload at stage 1/2 and silently keeps the state in CPU memory.
-    need(opt != "nvme" or stage == 3, f"{o}: nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently "
-         f"offloads to CPU memory instead ({s} is {stage}). Use stage 3, or offload_optimizer: cpu")
+    need(
+        opt != "nvme" or stage == 3,
+        f"{o}: nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently "
+        f"offloads to CPU memory instead ({s} is {stage}). Use stage 3, or offload_optimizer: cpu",
+    )
     need("nvme" not in (opt, param) or bool(nvme_path), f"nvme offload needs {names['nvme_path']} (a local folder)")
 
 
@@ -85,35 +92,53 @@ def check_ds_config(need: Need, cfg: TrainConfig, world_size: int) -> None:
             node = node[part]
         return f"{EXTRA}." + ".".join(path)
 
-    for section, why in (("optimizer", "Baton hands DeepSpeed its own AdamW (optim.*, deepspeed.cpu_adam)"),
-                         ("scheduler", "Baton sets the learning rate every step (warmup + cosine, optim.*)")):
+    for section, why in (
+        ("optimizer", "Baton hands DeepSpeed its own AdamW (optim.*, deepspeed.cpu_adam)"),
+        ("scheduler", "Baton sets the learning rate every step (warmup + cosine, optim.*)"),
+    ):
         need(section not in extra, f"{EXTRA}.{section} is not allowed: {why}")
-    need("amp" not in extra, f"{EXTRA}.amp is not allowed: Baton trains float32 weights (and DeepSpeed "
-         "removed Apex AMP)")
+    need(
+        "amp" not in extra, f"{EXTRA}.amp is not allowed: Baton trains float32 weights (and DeepSpeed removed Apex AMP)"
+    )
     for section in PRECISION_SECTIONS:
         value = extra.get(section)
         on = value.get("enabled", False) if isinstance(value, dict) else value is not None
-        need(section not in extra or on is False,
-             f"{EXTRA}.{section}" + (".enabled" if isinstance(value, dict) else "") + f"={on!r} disagrees with "
-             "the recipe's dtype: Baton trains float32 weights (model.torch_dtype: float32), so DeepSpeed must "
-             "not cast them; drop it or set enabled: false")
+        need(
+            section not in extra or on is False,
+            f"{EXTRA}.{section}" + (".enabled" if isinstance(value, dict) else "") + f"={on!r} disagrees with "
+            "the recipe's dtype: Baton trains float32 weights (model.torch_dtype: float32), so DeepSpeed must "
+            "not cast them; drop it or set enabled: false",
+        )
     for name in ("communication_data_type",):
-        need(conf.get(name) in (None, "fp32"), f"{EXTRA}.{name}={conf.get(name)!r}: gradients are reduced in "
-             "float32 (Baton trains float32 weights); drop it or set fp32")
+        need(
+            conf.get(name) in (None, "fp32"),
+            f"{EXTRA}.{name}={conf.get(name)!r}: gradients are reduced in "
+            "float32 (Baton trains float32 weights); drop it or set fp32",
+        )
     types = conf.get("data_types")
-    need(not isinstance(types, dict) or types.get("grad_accum_dtype") in (None, "fp32"),
-         f"{EXTRA}.data_types.grad_accum_dtype must be fp32: Baton trains float32 weights")
+    need(
+        not isinstance(types, dict) or types.get("grad_accum_dtype") in (None, "fp32"),
+        f"{EXTRA}.data_types.grad_accum_dtype must be fp32: Baton trains float32 weights",
+    )
     for name, want in FIXED.items():
-        need(conf.get(name) == want, f"{EXTRA}.{name}={conf.get(name)!r}: Baton sets it to {want} (its optimizer "
-             "is torch's AdamW or DeepSpeedCPUAdam); drop it")
+        need(
+            conf.get(name) == want,
+            f"{EXTRA}.{name}={conf.get(name)!r}: Baton sets it to {want} (its optimizer "
+            "is torch's AdamW or DeepSpeedCPUAdam); drop it",
+        )
     _check_batch(need, cfg, conf, world_size, key)
-    need(conf.get("gradient_clipping") == cfg.optim.grad_clip,
-         f"{key('gradient_clipping')}={conf.get('gradient_clipping')!r} disagrees with optim.grad_clip="
-         f"{cfg.optim.grad_clip}; set optim.grad_clip instead")
+    need(
+        conf.get("gradient_clipping") == cfg.optim.grad_clip,
+        f"{key('gradient_clipping')}={conf.get('gradient_clipping')!r} disagrees with optim.grad_clip="
+        f"{cfg.optim.grad_clip}; set optim.grad_clip instead",
+    )
     ckpt = conf.get("checkpoint")
     for name in ("load_universal", "use_node_local_storage"):
-        need(not (isinstance(ckpt, dict) and ckpt.get(name)), f"{EXTRA}.checkpoint.{name} is not allowed: Baton "
-             "writes DeepSpeed's checkpoint files into one shared folder and converts other layouts itself")
+        need(
+            not (isinstance(ckpt, dict) and ckpt.get(name)),
+            f"{EXTRA}.checkpoint.{name} is not allowed: Baton "
+            "writes DeepSpeed's checkpoint files into one shared folder and converts other layouts itself",
+        )
     _check_zero_section(need, cfg, conf["zero_optimization"], key)
 
 
@@ -123,27 +148,42 @@ def _check_batch(need: Need, cfg: TrainConfig, conf: dict[str, Any], world: int,
     not, the recipe's own batch check says so.)"""
     m, g = cfg.micro_batch_size, cfg.global_batch_size
     got = conf.get("train_micro_batch_size_per_gpu")
-    need(got == m, f"{key('train_micro_batch_size_per_gpu')}={got!r} disagrees with micro_batch_size={m}; "
-         "set micro_batch_size instead")
+    need(
+        got == m,
+        f"{key('train_micro_batch_size_per_gpu')}={got!r} disagrees with micro_batch_size={m}; "
+        "set micro_batch_size instead",
+    )
     if cfg.grad_accum_steps is None and g is not None and g % (m * world):
         return
     accum, global_batch = cfg.accum_steps(world), cfg.global_batch(world)
     got = conf.get("gradient_accumulation_steps")
-    need(got == accum, f"{key('gradient_accumulation_steps')}={got!r} disagrees with the recipe's "
-         f"{accum} accumulation steps (global_batch_size {global_batch} / (micro_batch_size {m} x "
-         f"data-parallel size {world})); set grad_accum_steps or global_batch_size instead")
+    need(
+        got == accum,
+        f"{key('gradient_accumulation_steps')}={got!r} disagrees with the recipe's "
+        f"{accum} accumulation steps (global_batch_size {global_batch} / (micro_batch_size {m} x "
+        f"data-parallel size {world})); set grad_accum_steps or global_batch_size instead",
+    )
     got = conf.get("train_batch_size", global_batch)
-    need(got == global_batch, f"{key('train_batch_size')}={got!r} disagrees with the recipe's global batch of "
-         f"{global_batch} (micro_batch_size {m} x {accum} accumulation steps x data-parallel size {world}); "
-         "set global_batch_size instead")
+    need(
+        got == global_batch,
+        f"{key('train_batch_size')}={got!r} disagrees with the recipe's global batch of "
+        f"{global_batch} (micro_batch_size {m} x {accum} accumulation steps x data-parallel size {world}); "
+        "set global_batch_size instead",
+    )
 
 
 def _check_zero_section(need: Need, cfg: TrainConfig, zero: Any, key: Callable[..., str]) -> None:
-    need(isinstance(zero, dict), f"{EXTRA}.zero_optimization must be a mapping (DeepSpeed reads `true` as "
-         f"stage 1), got {zero!r}; set deepspeed.stage instead")
+    need(
+        isinstance(zero, dict),
+        f"{EXTRA}.zero_optimization must be a mapping (DeepSpeed reads `true` as "
+        f"stage 1), got {zero!r}; set deepspeed.stage instead",
+    )
     legacy = sorted(set(LEGACY_OFFLOAD) & set(zero))
-    need(not legacy, f"{EXTRA}.zero_optimization.{', '.join(legacy)}: old spellings of offload_optimizer/"
-         "offload_param; set deepspeed.offload_optimizer / deepspeed.offload_param instead")
+    need(
+        not legacy,
+        f"{EXTRA}.zero_optimization.{', '.join(legacy)}: old spellings of offload_optimizer/"
+        "offload_param; set deepspeed.offload_optimizer / deepspeed.offload_param instead",
+    )
     d = cfg.deepspeed
     sections = {}
     for name in ("offload_optimizer", "offload_param"):
@@ -153,20 +193,27 @@ def _check_zero_section(need: Need, cfg: TrainConfig, zero: Any, key: Callable[.
     opt, param = (sections[n].get("device", "none") for n in ("offload_optimizer", "offload_param"))
     nvme_name = "offload_optimizer" if opt == "nvme" else "offload_param"
     nvme_path = sections[nvme_name].get("nvme_path")
-    names = {"stage": key("zero_optimization", "stage"),
-             "offload_optimizer": key("zero_optimization", "offload_optimizer", "device"),
-             "offload_param": key("zero_optimization", "offload_param", "device"),
-             "nvme_path": key("zero_optimization", nvme_name, "nvme_path")}
+    names = {
+        "stage": key("zero_optimization", "stage"),
+        "offload_optimizer": key("zero_optimization", "offload_optimizer", "device"),
+        "offload_param": key("zero_optimization", "offload_param", "device"),
+        "nvme_path": key("zero_optimization", nvme_name, "nvme_path"),
+    }
     names = {k: v if v.startswith(EXTRA) else f"deepspeed.{k}" for k, v in names.items()}
     stage = zero.get("stage", 0)
     check_zero(need, stage, opt, param, nvme_path, names)
     recipe = {"stage": d.stage, "offload_optimizer": d.offload_optimizer, "offload_param": d.offload_param}
     for name, got in (("stage", stage), ("offload_optimizer", opt), ("offload_param", param)):
-        need(got == recipe[name], f"{names[name]}={got!r} disagrees with deepspeed.{name}={recipe[name]!r}: Baton's "
-             f"step skipping, checkpoint layout and resume follow deepspeed.{name}; set deepspeed.{name}: {got} "
-             f"instead of overriding it in {EXTRA}")
+        need(
+            got == recipe[name],
+            f"{names[name]}={got!r} disagrees with deepspeed.{name}={recipe[name]!r}: Baton's "
+            f"step skipping, checkpoint layout and resume follow deepspeed.{name}; set deepspeed.{name}: {got} "
+            f"instead of overriding it in {EXTRA}",
+        )
     for name in ("offload_optimizer", "offload_param"):
         path = sections[name].get("nvme_path")
-        need(sections[name].get("device") != "nvme" or path == d.nvme_path,
-             f"{EXTRA}.zero_optimization.{name}.nvme_path={path!r} disagrees with deepspeed.nvme_path="
-             f"{d.nvme_path!r} (the folder Baton checks and creates); set deepspeed.nvme_path instead")
+        need(
+            sections[name].get("device") != "nvme" or path == d.nvme_path,
+            f"{EXTRA}.zero_optimization.{name}.nvme_path={path!r} disagrees with deepspeed.nvme_path="
+            f"{d.nvme_path!r} (the folder Baton checks and creates); set deepspeed.nvme_path instead",
+        )

@@ -131,9 +131,11 @@ def read_launch(environ: Mapping[str, str] | None = None) -> Launch:
     if tasks == 1:
         return Launch()
     if not in_step:
-        raise UserError(f"{ntasks_key}={tasks} but this process is not an srun task (no SLURM_STEP_ID): start the "
-                        f"{tasks} ranks with `srun baton train ...` or a launcher (launchers/train.sbatch); to train "
-                        "on this one process, set WORLD_SIZE=1")
+        raise UserError(
+            f"{ntasks_key}={tasks} but this process is not an srun task (no SLURM_STEP_ID): start the "
+            f"{tasks} ranks with `srun baton train ...` or a launcher (launchers/train.sbatch); to train "
+            "on this one process, set WORLD_SIZE=1"
+        )
     return _from_slurm(env, tasks, ntasks_key)
 
 
@@ -142,18 +144,22 @@ def _check_launcher_under_srun(env: Mapping[str, str], world: int, rank: int, ta
     if local_key is not None:
         local = _int(env, local_key)
         if world != tasks * local:
-            raise UserError(f"srun started {tasks} tasks ({ntasks_key}={tasks}), each a launcher of {local} ranks, "
-                            f"but WORLD_SIZE is {world}, not {tasks} x {local}: each launcher is its own job, and they "
-                            "would all write into one out_dir. Give the launcher --nnodes (one per srun task) and a "
-                            "shared rendezvous (launchers/train.sbatch), or drop the launcher and let srun start the "
-                            "ranks")
+            raise UserError(
+                f"srun started {tasks} tasks ({ntasks_key}={tasks}), each a launcher of {local} ranks, "
+                f"but WORLD_SIZE is {world}, not {tasks} x {local}: each launcher is its own job, and they "
+                "would all write into one out_dir. Give the launcher --nnodes (one per srun task) and a "
+                "shared rendezvous (launchers/train.sbatch), or drop the launcher and let srun start the "
+                "ranks"
+            )
         return
     procid = _int(env, "SLURM_PROCID")
     if (rank, world) != (procid, tasks):
-        raise UserError(f"srun started {tasks} tasks ({ntasks_key}={tasks}; this is SLURM_PROCID={procid}) but "
-                        f"RANK={env.get('RANK', '(unset)')} and WORLD_SIZE={env.get('WORLD_SIZE', '(unset)')} are set, "
-                        "which would not make one job of them: unset RANK, WORLD_SIZE and LOCAL_RANK (Baton reads "
-                        "SLURM's), or start the ranks with a launcher (launchers/train.sbatch)")
+        raise UserError(
+            f"srun started {tasks} tasks ({ntasks_key}={tasks}; this is SLURM_PROCID={procid}) but "
+            f"RANK={env.get('RANK', '(unset)')} and WORLD_SIZE={env.get('WORLD_SIZE', '(unset)')} are set, "
+            "which would not make one job of them: unset RANK, WORLD_SIZE and LOCAL_RANK (Baton reads "
+            "SLURM's), or start the ranks with a launcher (launchers/train.sbatch)"
+        )
 
 
 def _from_slurm(env: Mapping[str, str], tasks: int, ntasks_key: str) -> Launch:
@@ -165,16 +171,23 @@ def _from_slurm(env: Mapping[str, str], tasks: int, ntasks_key: str) -> Launch:
         need["SLURM_NODELIST"] = "for the first node, or set MASTER_ADDR"
     missing = [f"{k} ({why})" for k, why in need.items() if k not in env]
     if missing:
-        raise UserError(f"{ntasks_key}={tasks}: an srun task of a {tasks}-rank job, but {', '.join(missing)} "
-                        "not set; start it with srun, or with a launcher (launchers/train.sbatch)")
+        raise UserError(
+            f"{ntasks_key}={tasks}: an srun task of a {tasks}-rank job, but {', '.join(missing)} "
+            "not set; start it with srun, or with a launcher (launchers/train.sbatch)"
+        )
     rank, local = _int(env, "SLURM_PROCID"), _int(env, "SLURM_LOCALID")
     if not 0 <= rank < tasks:
         raise UserError(f"SLURM_PROCID={rank} is not a rank of {ntasks_key}={tasks}")
     step = _int(env, "SLURM_STEP_ID") if env.get("SLURM_STEP_ID", "").isdigit() else 0
     port = env.get("MASTER_PORT") or str(slurm_port(_int(env, "SLURM_JOB_ID"), step))
     addr = env.get("MASTER_ADDR") or first_host(nodelist or "")
-    derived = {"RANK": str(rank), "WORLD_SIZE": str(tasks), "LOCAL_RANK": str(local), "MASTER_ADDR": addr,
-               "MASTER_PORT": port}
+    derived = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(tasks),
+        "LOCAL_RANK": str(local),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": port,
+    }
     return Launch(rank, tasks, local, "slurm", derived)
 
 
@@ -188,13 +201,20 @@ def init_distributed(need_group: bool = False) -> Dist:
         return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank)
     os.environ.update(launch.env)  # srun's ranks as launcher variables: DeepSpeed and torch read those
     if world == 1:
-        for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                           ("MASTER_PORT", str(free_port()))):
+        for key, value in (
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", str(free_port())),
+        ):
             os.environ.setdefault(key, value)
     missing = [k for k in LAUNCHER_VARS if k not in os.environ]
     if missing:
-        raise UserError(f"WORLD_SIZE={world} but {', '.join(missing)} not set: start with launchers/torchrun.sh "
-                        "or launchers/deepspeed.sh")
+        raise UserError(
+            f"WORLD_SIZE={world} but {', '.join(missing)} not set: start with launchers/torchrun.sh "
+            "or launchers/deepspeed.sh"
+        )
     rank, local_rank = _int(os.environ, "RANK"), _int(os.environ, "LOCAL_RANK")
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -22,8 +22,14 @@ from baton.train.universal import read_any
 log = logging.getLogger(__name__)
 
 
-def write_handoff(out_dir: str | Path, config: ModelConfig, weights: dict[str, torch.Tensor], *,
-                  tokenizer_dir: str | Path | None = None, metadata: HandoffMetadata | None = None) -> Path:
+def write_handoff(
+    out_dir: str | Path,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    tokenizer_dir: str | Path | None = None,
+    metadata: HandoffMetadata | None = None,
+) -> Path:
     """Write whole trained weights (by parameter name, as training keeps them) to `out_dir` as a
     handoff checkpoint in the config's dtype, atomically."""
     # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
@@ -43,9 +49,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     if (ckpt / "parallel_layout.json").is_file():  # backend torch3d records its dp x pp x cp x tp
         parallel = {k: v for k, v in json.loads((ckpt / "parallel_layout.json").read_text()).items() if k in parallel}
     meta = HandoffMetadata(
-        producer="baton train", step=state["step"], tokens_seen=state["tokens_seen"], parallel_layout=parallel,
-        extra={"training": {"backend": layout["backend"], "zero_stage": layout["zero_stage"],
-                            "source_checkpoint": str(ckpt.resolve())}})
+        producer="baton train",
+        step=state["step"],
+        tokens_seen=state["tokens_seen"],
+        parallel_layout=parallel,
+        extra={
+            "training": {
+                "backend": layout["backend"],
+                "zero_stage": layout["zero_stage"],
+                "source_checkpoint": str(ckpt.resolve()),
+            }
+        },
+    )
     out = write_handoff(out_dir, config, weights, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
     log.info("exported %s (step %d) to %s", ckpt, state["step"], out)
     return out

@@ -70,16 +70,17 @@ def medusa_config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = 
         raise ConfigError(f"invalid Medusa recipe: {e}") from e
 
 
-def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor,
-                decay: float) -> tuple[torch.Tensor, list[float]]:
+def medusa_loss(
+    heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, decay: float
+) -> tuple[torch.Tensor, list[float]]:
     """hidden [B, S, H] at positions 0..S-1 of tokens [B, S+1]; head k targets tokens[:, t+k+2]."""
     logits = heads(hidden)  # [K, B, S, V]
     total, per_head = hidden.new_zeros(()), []
     for k in range(logits.shape[0]):
         shift = k + 2
-        pred = logits[k][:, :tokens.shape[1] - shift]
+        pred = logits[k][:, : tokens.shape[1] - shift]
         loss = F.cross_entropy(pred.reshape(-1, pred.shape[-1]).float(), tokens[:, shift:].reshape(-1))
-        total = total + decay ** k * loss
+        total = total + decay**k * loss
         per_head.append(loss.item())
     return total, per_head
 
@@ -95,18 +96,26 @@ def train_medusa(cfg: MedusaTrainConfig) -> Path:
     heads = MedusaHeads(MedusaConfig(mc.hidden_size, mc.vocab_size, cfg.num_heads, cfg.num_layers))
     heads.init_from_lm_head(base.lm_head)
     opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
-    log.info("training %d Medusa heads on frozen %s (%d blocks of %d tokens)", cfg.num_heads, cfg.base,
-             len(train_ds), cfg.data.seq_len)
+    log.info(
+        "training %d Medusa heads on frozen %s (%d blocks of %d tokens)",
+        cfg.num_heads,
+        cfg.base,
+        len(train_ds),
+        cfg.data.seq_len,
+    )
 
     if len(train_ds) < cfg.batch_size:
-        raise ValueError(f"{len(train_ds)} training blocks of {cfg.data.seq_len + 1} tokens make no full batch of "
-                         f"{cfg.batch_size}: use more data, a smaller data.seq_len or medusa.batch_size")
+        raise ValueError(
+            f"{len(train_ds)} training blocks of {cfg.data.seq_len + 1} tokens make no full batch of "
+            f"{cfg.batch_size}: use more data, a smaller data.seq_len or medusa.batch_size"
+        )
 
     def batches():
         epoch = 0
         while True:
-            yield from (b for b in torch_loader(train_ds, cfg.batch_size, seed=cfg.seed + epoch)
-                        if b.shape[0] == cfg.batch_size)
+            yield from (
+                b for b in torch_loader(train_ds, cfg.batch_size, seed=cfg.seed + epoch) if b.shape[0] == cfg.batch_size
+            )
             epoch += 1
 
     stream = batches()
@@ -124,7 +133,10 @@ def train_medusa(cfg: MedusaTrainConfig) -> Path:
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         opt.step()
         bar.set_postfix(loss=f"{loss.item():.3f}", heads=" ".join(f"{x:.2f}" for x in per_head))
-    log.info("Medusa heads trained in %.0f s; per-head loss %s", time.perf_counter() - start,
-             ", ".join(f"{x:.3f}" for x in per_head))
+    log.info(
+        "Medusa heads trained in %.0f s; per-head loss %s",
+        time.perf_counter() - start,
+        ", ".join(f"{x:.3f}" for x in per_head),
+    )
     save_medusa(heads, cfg.base)
     return Path(cfg.base)

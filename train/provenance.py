@@ -73,11 +73,23 @@ def describe(cfg: TrainConfig) -> dict[str, Any]:
     """What this run trains on, as recorded in trainer_state.json ("inputs"); the tokenizer's hash
     is added once the tokenizer is known (see with_tokenizer)."""
     d, t = cfg.data, cfg.tokenizer
-    return {"data": {"path": d.path, "fingerprint": data_fingerprint(d), "text_field": d.text_field,
-                     "seq_len": d.seq_len, "val_fraction": d.val_fraction, "seed": d.seed},
-            "tokenizer": {"path": t.path, "kind": t.kind, "vocab_size": t.vocab_size,
-                          "sha256": tokenizer_id(Tokenizer.from_dir(t.path)) if t.path else None},
-            "seed": cfg.seed}
+    return {
+        "data": {
+            "path": d.path,
+            "fingerprint": data_fingerprint(d),
+            "text_field": d.text_field,
+            "seq_len": d.seq_len,
+            "val_fraction": d.val_fraction,
+            "seed": d.seed,
+        },
+        "tokenizer": {
+            "path": t.path,
+            "kind": t.kind,
+            "vocab_size": t.vocab_size,
+            "sha256": tokenizer_id(Tokenizer.from_dir(t.path)) if t.path else None,
+        },
+        "seed": cfg.seed,
+    }
 
 
 def with_tokenizer(inputs: dict[str, Any], tok: Tokenizer) -> dict[str, Any]:
@@ -98,16 +110,21 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             out.append(f"data.path was {was['path']} in the checkpoint, is {cur['path']} now")
     elif was["fingerprint"] != cur["fingerprint"]:
         what = "data.path" if was["path"] != cur["path"] else "the data at data.path (changed since the checkpoint)"
-        out.append(f"{what} was {_describe_data(was['path'], was['fingerprint'])} in the checkpoint, is "
-                   f"{_describe_data(cur['path'], cur['fingerprint'])} now")
+        out.append(
+            f"{what} was {_describe_data(was['path'], was['fingerprint'])} in the checkpoint, is "
+            f"{_describe_data(cur['path'], cur['fingerprint'])} now"
+        )
     for key in ("seq_len", "text_field", "val_fraction", "seed"):
         if was[key] != cur[key]:
             out.append(f"data.{key} was {was[key]!r} in the checkpoint, is {cur[key]!r} now")
     was_t, cur_t = saved["tokenizer"], now["tokenizer"]
     if cur_t["path"] is not None and cur_t["sha256"] != was_t["sha256"]:
-        out.append(f"tokenizer.path {cur_t['path']} holds another tokenizer (sha256 {cur_t['sha256']}) than the "
-                   f"checkpoint's (sha256 {was_t['sha256']}" + (f", from {was_t['path']}" if was_t["path"] else "")
-                   + "; a resumed run keeps the checkpoint's)")
+        out.append(
+            f"tokenizer.path {cur_t['path']} holds another tokenizer (sha256 {cur_t['sha256']}) than the "
+            f"checkpoint's (sha256 {was_t['sha256']}"
+            + (f", from {was_t['path']}" if was_t["path"] else "")
+            + "; a resumed run keeps the checkpoint's)"
+        )
     elif cur_t["path"] is None and was_t["path"] is None:  # both trained one on the data
         for key in ("kind", "vocab_size"):
             if was_t[key] != cur_t[key]:
@@ -117,14 +134,18 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return out
 
 
-def check_resume_inputs(state: dict[str, Any], path: Path, cfg: TrainConfig, inputs: dict[str, Any],
-                        main: bool) -> None:
+def check_resume_inputs(
+    state: dict[str, Any], path: Path, cfg: TrainConfig, inputs: dict[str, Any], main: bool
+) -> None:
     """Refuse (or, when allowed, warn about) resuming `path` on other inputs than it was trained on."""
     saved = state.get("inputs")
     if saved is None:
         if main:
-            log.warning("%s records no inputs (an older checkpoint): cannot check that the data, tokenizer and "
-                        "seq_len are the ones it was trained on", path)
+            log.warning(
+                "%s records no inputs (an older checkpoint): cannot check that the data, tokenizer and "
+                "seq_len are the ones it was trained on",
+                path,
+            )
         return
     diff = differences(saved, inputs)
     if not diff:

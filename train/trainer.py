@@ -112,8 +112,9 @@ class Trainer:
         self.out_dir = Path(cfg.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         tok = prepare_tokenizer(cfg, dist, ckpt.resume)
-        model_cfg = cfg.model_config(tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                                     pad_token_id=tok.pad_token_id)
+        model_cfg = cfg.model_config(
+            tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id
+        )
         ckpt.bind(dist, tok, model_cfg)
         if not dist.is_main:
             dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
@@ -128,10 +129,21 @@ class Trainer:
         attn = apply_recompute(model, cfg.recompute)
         self.backend = build_backend(cfg, model, attn, dist)
         if dist.is_main:
-            log.info("model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, world size %d, "
-                     "global batch %d = %d micro x %d accum x %d ranks", model_cfg.model_type,
-                     model_cfg.num_parameters() / 1e6, len(train_ds), len(self.val_ds), seq, cfg.backend,
-                     dist.world_size, self.global_batch, cfg.micro_batch_size, self.accum, self.dp)
+            log.info(
+                "model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, world size %d, "
+                "global batch %d = %d micro x %d accum x %d ranks",
+                model_cfg.model_type,
+                model_cfg.num_parameters() / 1e6,
+                len(train_ds),
+                len(self.val_ds),
+                seq,
+                cfg.backend,
+                dist.world_size,
+                self.global_batch,
+                cfg.micro_batch_size,
+                self.accum,
+                self.dp,
+            )
         self.state = ckpt.maybe_resume(self.backend, self.batches)
 
         # ---- logs
@@ -141,8 +153,15 @@ class Trainer:
         if cfg.logging.mfu:  # every rank at once: ranks sharing cores measure the share they get
             self.peak = dist.all_reduce_sum(torch.tensor([measure_matmul_peak(device)], device=device)).item()
         self.flops_per_token = flops_per_token(model_cfg, seq)
-        self.bar = tqdm(total=cfg.max_steps, initial=self.state.step, desc="training", unit="step", dynamic_ncols=True,
-                        mininterval=2.0, disable=not (dist.is_main and cfg.logging.progress))
+        self.bar = tqdm(
+            total=cfg.max_steps,
+            initial=self.state.step,
+            desc="training",
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=2.0,
+            disable=not (dist.is_main and cfg.logging.progress),
+        )
         self.loss, self.val_loss, self.train_time, self.steps_timed = float("nan"), None, 0.0, 0
 
     def fit(self) -> TrainResult:
@@ -157,8 +176,16 @@ class Trainer:
             plot_losses(self.metrics.records, self.out_dir / "loss.png", title=title)
         handoff = self.checkpointer.handoff()
         self.dist.barrier()
-        return TrainResult(handoff, self.checkpointer.last, self.state.step, self.state.tokens_seen, self.loss,
-                           self.val_loss, self._tokens_per_second(), self.state.skipped_steps)
+        return TrainResult(
+            handoff,
+            self.checkpointer.last,
+            self.state.step,
+            self.state.tokens_seen,
+            self.loss,
+            self.val_loss,
+            self._tokens_per_second(),
+            self.state.skipped_steps,
+        )
 
     def train_step(self) -> StepResult:
         """One optimizer step: this rank's micro-batches -> the backend's step -> counts and logs."""
@@ -182,26 +209,44 @@ class Trainer:
             return
         state.nan_streak, state.skipped_steps = state.nan_streak + 1, state.skipped_steps + 1
         if self.dist.is_main:
-            log.warning("step %d: non-finite loss (%s) or gradients (norm %s): update skipped (%d in a row)",
-                        state.step, result.loss, result.grad_norm, state.nan_streak)
+            log.warning(
+                "step %d: non-finite loss (%s) or gradients (norm %s): update skipped (%d in a row)",
+                state.step,
+                result.loss,
+                result.grad_norm,
+                state.nan_streak,
+            )
         if state.nan_streak >= self.cfg.max_nan_steps:
             last = self.checkpointer.last
-            raise TrainingDiverged(f"{state.nan_streak} non-finite steps in a row at step {state.step}; stopping. The "
-                                   f"last good checkpoint is {last or 'none (none was saved yet)'}")
+            raise TrainingDiverged(
+                f"{state.nan_streak} non-finite steps in a row at step {state.step}; stopping. The "
+                f"last good checkpoint is {last or 'none (none was saved yet)'}"
+            )
 
     def _log(self, result: StepResult, lr: float) -> None:
         """The step's record (with the validation loss when due) to the metrics and the progress bar."""
         cfg, step = self.cfg, self.state.step
         tps = self._tokens_per_second()
-        record = {"step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm, "tokens_per_s": tps,
-                  "mfu": tps * self.flops_per_token / self.peak if self.peak else None, "skipped": not result.applied,
-                  "elapsed_s": self.train_time}
+        record = {
+            "step": step,
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": tps,
+            "mfu": tps * self.flops_per_token / self.peak if self.peak else None,
+            "skipped": not result.applied,
+            "elapsed_s": self.train_time,
+        }
         last = step == cfg.max_steps
         if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
             self.val_loss = record["val_loss"] = evaluate(self.backend, self.val_ds, cfg)
             if self.dist.is_main:
-                log.info("step %d: train loss %.4f, val loss %s", step, result.loss,
-                         "n/a" if self.val_loss is None else f"{self.val_loss:.4f}")
+                log.info(
+                    "step %d: train loss %.4f, val loss %s",
+                    step,
+                    result.loss,
+                    "n/a" if self.val_loss is None else f"{self.val_loss:.4f}",
+                )
         if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
             self.metrics.log(record)
         self.bar.update(1)

@@ -33,7 +33,9 @@ class UniversalState:
 
 
 def write_universal(directory: Path, state: UniversalState) -> None:
-    save_file({k: v.contiguous() for k, v in state.weights.items()}, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.weights.items()}, directory / WEIGHTS_FILE, metadata={"format": "pt"}
+    )
     moments = {f"{key}/{name}": t.contiguous() for key in MOMENTS for name, t in state.moments(key).items()}
     save_file(moments, directory / OPTIMIZER_FILE, metadata={"format": "pt"})
     (directory / OPTIMIZER_META).write_text(json.dumps({"step": state.step}) + "\n")

@@ -33,7 +33,7 @@ def search_scale(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 
     x, w = x.float(), w.float()
     x_mean = x.abs().mean(0)
     wg = pad_groups(w.abs(), group_size).reshape(w.shape[0], -1, group_size)
-    w_mean = (wg / wg.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape[0], -1)[:, :w.shape[1]].mean(0)
+    w_mean = (wg / wg.amax(-1, keepdim=True).clamp(min=1e-8)).reshape(w.shape[0], -1)[:, : w.shape[1]].mean(0)
     best, best_err = torch.ones_like(x_mean), output_error(x, w, torch.ones_like(x_mean), group_size)
     for i in range(grid):
         r = i / grid
@@ -46,7 +46,9 @@ def search_scale(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 
 
 
 @torch.no_grad()
-def search_clip(x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, max_shrink: float = 0.5) -> torch.Tensor:
+def search_clip(
+    x: torch.Tensor, w: torch.Tensor, group_size: int, grid: int = 20, max_shrink: float = 0.5
+) -> torch.Tensor:
     """w [N, K] clamped per (row, group) to the range that minimises that group's output error."""
     n, k = w.shape
     xg = pad_groups(x.float(), group_size).reshape(x.shape[0], -1, group_size)  # [T, G, g]

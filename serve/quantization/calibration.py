@@ -45,20 +45,27 @@ def calibration_tokens(cfg: CalibrationConfig, tokenizer: Tokenizer) -> torch.Te
         raise CalibrationError(f"num_samples must be at least 1, got {cfg.num_samples}")
     train, _ = build_datasets(cfg.data, tokenizer)
     if len(train) < cfg.num_samples:
-        raise CalibrationError(f"calibration set too small: {cfg.data.path or 'the default corpus'} has {len(train)} "
-                               f"training blocks of {cfg.data.seq_len} tokens, {cfg.num_samples} requested")
+        raise CalibrationError(
+            f"calibration set too small: {cfg.data.path or 'the default corpus'} has {len(train)} "
+            f"training blocks of {cfg.data.seq_len} tokens, {cfg.num_samples} requested"
+        )
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.sample_seed))
-    rows = train.with_format("torch")[order[:cfg.num_samples].sort().values.tolist()]["input_ids"]
-    return rows[:, :cfg.data.seq_len].long()
+    rows = train.with_format("torch")[order[: cfg.num_samples].sort().values.tolist()]["input_ids"]
+    return rows[:, : cfg.data.seq_len].long()
 
 
 def check_calibration_size(tokens: torch.Tensor, model: CausalLM) -> None:
     """Fewer tokens than a layer has inputs make its Hessian / channel statistics rank-deficient."""
-    need = max(model.config.intermediate_size, model.config.hidden_size,
-               model.config.num_attention_heads * model.config.head_dim)
+    need = max(
+        model.config.intermediate_size,
+        model.config.hidden_size,
+        model.config.num_attention_heads * model.config.head_dim,
+    )
     if tokens.numel() < need:
-        raise CalibrationError(f"calibration set too small: {tokens.numel()} tokens, fewer than the {need} input "
-                               f"channels of the widest layer; use more or longer samples")
+        raise CalibrationError(
+            f"calibration set too small: {tokens.numel()} tokens, fewer than the {need} input "
+            f"channels of the widest layer; use more or longer samples"
+        )
 
 
 class LayerRunner:
@@ -77,7 +84,9 @@ class LayerRunner:
     def run(self, layer: DecoderLayer) -> torch.Tensor:
         """The layer's outputs for every sample, in batches (hooks on its modules see each batch)."""
         attn = DenseCausalAttention()
-        return torch.cat([layer(x, self.cos[:len(x)], self.sin[:len(x)], attn) for x in self.x.split(self.batch_size)])
+        return torch.cat(
+            [layer(x, self.cos[: len(x)], self.sin[: len(x)], attn) for x in self.x.split(self.batch_size)]
+        )
 
     def advance(self, layer: DecoderLayer) -> None:
         self.x = self.run(layer)

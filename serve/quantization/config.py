@@ -44,11 +44,15 @@ class QuantConfig:
         allowed = METHOD_BITS[self.method]
         need(self.bits in allowed, f"{self.method} quantizes to {' or '.join(map(str, allowed))} bits, not {self.bits}")
         if self.bits == 4:
-            need(self.group_size in GROUP_SIZES,
-                 f"unsupported group size {self.group_size}; int4 group sizes are {', '.join(map(str, GROUP_SIZES))}")
+            need(
+                self.group_size in GROUP_SIZES,
+                f"unsupported group size {self.group_size}; int4 group sizes are {', '.join(map(str, GROUP_SIZES))}",
+            )
         need(0 < self.damp_percent < 1, f"damp_percent must be in (0, 1), got {self.damp_percent}")
         need(self.gptq_block_size > 0, f"gptq_block_size must be positive, got {self.gptq_block_size}")
-        need(self.alpha is None or 0 <= self.alpha <= 1, f"alpha must be in [0, 1] (or None to search), got {self.alpha}")
+        need(
+            self.alpha is None or 0 <= self.alpha <= 1, f"alpha must be in [0, 1] (or None to search), got {self.alpha}"
+        )
         need(self.awq_grid >= 2, f"awq_grid must be at least 2, got {self.awq_grid}")
 
     @property
@@ -65,9 +69,15 @@ class QuantConfig:
         return self.method in ("gptq", "awq", "smoothquant")
 
     def to_hf(self) -> dict[str, Any]:
-        d = {"quant_method": QUANT_METHOD, "format": self.format, **asdict(self),
-             "sym": self.format != "int4", "desc_act": self.act_order, "zero_point": self.format == "int4",
-             "modules_to_not_convert": list(NOT_CONVERTED)}
+        d = {
+            "quant_method": QUANT_METHOD,
+            "format": self.format,
+            **asdict(self),
+            "sym": self.format != "int4",
+            "desc_act": self.act_order,
+            "zero_point": self.format == "int4",
+            "modules_to_not_convert": list(NOT_CONVERTED),
+        }
         if self.format != "int4":
             d["group_size"] = -1  # HF's spelling of "per output channel"
         return d
@@ -75,8 +85,10 @@ class QuantConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> "QuantConfig":
         if d.get("quant_method") != QUANT_METHOD:
-            raise QuantConfigError(f"quantization_config has quant_method {d.get('quant_method')!r}; "
-                                   f"Baton loads only its own ({QUANT_METHOD!r})")
+            raise QuantConfigError(
+                f"quantization_config has quant_method {d.get('quant_method')!r}; "
+                f"Baton loads only its own ({QUANT_METHOD!r})"
+            )
         names = set(cls.__dataclass_fields__)
         kwargs = {k: v for k, v in d.items() if k in names}
         if kwargs.get("group_size") == -1:

@@ -18,8 +18,16 @@ from baton.common.model import DecoderLayer
 from baton.serve.quantization.calibration import LayerRunner, on_inputs
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import set_module
-from baton.serve.quantization.rtn import (int4_module, int4_params, int4_round, int8_module, int8_round, int8_scales,
-                                          pad_groups, rtn_linear)
+from baton.serve.quantization.rtn import (
+    int4_module,
+    int4_params,
+    int4_round,
+    int8_module,
+    int8_round,
+    int8_scales,
+    pad_groups,
+    rtn_linear,
+)
 
 
 class HessianAccumulator:
@@ -39,8 +47,15 @@ class HessianAccumulator:
 
 
 @torch.no_grad()
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int = 128,
-                  act_order: bool = False, damp_percent: float = 0.01, block_size: int = 128):
+def gptq_quantize(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    group_size: int = 128,
+    act_order: bool = False,
+    damp_percent: float = 0.01,
+    block_size: int = 128,
+):
     """Quantize weight [N, K] against hessian [K, K].
 
     Returns (levels, scales, zeros): integer levels as float [N, K'] (K' = K padded to whole groups
@@ -82,7 +97,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
             else:
                 g = col // group_size
                 if not act_order and col % group_size == 0:  # group parameters from the updated weights
-                    scales[:, g:g + 1], zeros[:, g:g + 1] = int4_params(W1[:, i:i + group_size], group_size)
+                    scales[:, g : g + 1], zeros[:, g : g + 1] = int4_params(W1[:, i : i + group_size], group_size)
                 q = int4_round(w, scales[:, g], zeros[:, g])
                 deq = (q - zeros[:, g]) * scales[:, g]
             Q[:, i1 + i] = q
@@ -103,7 +118,18 @@ def gptq_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfig) -> N
         if acc[name].count == 0:  # an expert the router never chose on this data: nothing to compensate
             set_module(layer, name, rtn_linear(lin, "int4" if qcfg.bits == 4 else "int8", qcfg.group_size))
             continue
-        levels, scales, zeros = gptq_quantize(lin.weight, acc[name].hessian(), qcfg.bits, qcfg.group_size,
-                                              qcfg.act_order, qcfg.damp_percent, qcfg.gptq_block_size)
-        mod = int8_module(lin, levels, scales) if qcfg.bits == 8 else int4_module(lin, levels, scales, zeros, qcfg.group_size)
+        levels, scales, zeros = gptq_quantize(
+            lin.weight,
+            acc[name].hessian(),
+            qcfg.bits,
+            qcfg.group_size,
+            qcfg.act_order,
+            qcfg.damp_percent,
+            qcfg.gptq_block_size,
+        )
+        mod = (
+            int8_module(lin, levels, scales)
+            if qcfg.bits == 8
+            else int4_module(lin, levels, scales, zeros, qcfg.group_size)
+        )
         set_module(layer, name, mod)

@@ -54,17 +54,26 @@ def dequantize_kv(packed: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.
     return (values * scale).to(dtype)
 
 
-def write_and_read(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md, kind: str,
-                   dtype: torch.dtype):
+def write_and_read(
+    k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, md, kind: str, dtype: torch.dtype
+):
     """Quantize-on-write the step's new K/V; return float pools holding just the blocks the step's
     block tables reference, and the metadata with its tables remapped onto them."""
     reshape_and_cache(quantize_kv(k, kind), quantize_kv(v, kind), k_pool, v_pool, md.slot_mapping)
     dev = k_pool.device
-    tables = [md.decode_block_tables, md.prefill_block_tables] + [torch.tensor(t.block_table, device=dev) for t in md.trees]
+    tables = [md.decode_block_tables, md.prefill_block_tables] + [
+        torch.tensor(t.block_table, device=dev) for t in md.trees
+    ]
     used = torch.unique(torch.cat([t.reshape(-1) for t in tables]).long())
     remap = torch.zeros(k_pool.shape[0], dtype=torch.int32, device=dev)
     remap[used] = torch.arange(used.numel(), dtype=torch.int32, device=dev)
-    trees = [dataclasses.replace(t, block_table=remap[torch.tensor(t.block_table, device=dev)].tolist()) for t in md.trees]
-    md = dataclasses.replace(md, decode_block_tables=remap[md.decode_block_tables.long()],
-                             prefill_block_tables=remap[md.prefill_block_tables.long()], trees=trees)
+    trees = [
+        dataclasses.replace(t, block_table=remap[torch.tensor(t.block_table, device=dev)].tolist()) for t in md.trees
+    ]
+    md = dataclasses.replace(
+        md,
+        decode_block_tables=remap[md.decode_block_tables.long()],
+        prefill_block_tables=remap[md.prefill_block_tables.long()],
+        trees=trees,
+    )
     return dequantize_kv(k_pool[used], kind, dtype), dequantize_kv(v_pool[used], kind, dtype), md

@@ -87,7 +87,7 @@ class Int4WeightLinear(QuantLinear):
         return int4_weight_matmul(x, self.qweight, self.scales, self.qzeros, self.group_size)
 
     def dequantize(self):
-        return dequantize_int4(self.qweight, self.scales, self.qzeros, self.group_size)[:, :self.in_features]
+        return dequantize_int4(self.qweight, self.scales, self.qzeros, self.group_size)[:, : self.in_features]
 
 
 class FP8WeightLinear(QuantLinear):
@@ -126,7 +126,9 @@ class W8A8Linear(QuantLinear):
         return self.qweight.float() * self.scales[:, None]
 
 
-FORMATS: dict[str, type[QuantLinear]] = {c.format: c for c in (Int8WeightLinear, Int4WeightLinear, FP8WeightLinear, W8A8Linear)}
+FORMATS: dict[str, type[QuantLinear]] = {
+    c.format: c for c in (Int8WeightLinear, Int4WeightLinear, FP8WeightLinear, W8A8Linear)
+}
 
 
 def quantized_like(linear: nn.Linear, fmt: str, group_size: int = 128, **tensors: torch.Tensor) -> QuantLinear:
@@ -144,8 +146,11 @@ def quantized_like(linear: nn.Linear, fmt: str, group_size: int = 128, **tensors
 
 def target_linears(model: CausalLM) -> dict[str, nn.Linear]:
     """The decoder layers' projections; the MoE router stays float (it is tiny and steers routing)."""
-    return {f"model.layers.{name}": m for name, m in model.model.layers.named_modules()
-            if isinstance(m, nn.Linear) and not name.endswith("block_sparse_moe.gate")}
+    return {
+        f"model.layers.{name}": m
+        for name, m in model.model.layers.named_modules()
+        if isinstance(m, nn.Linear) and not name.endswith("block_sparse_moe.gate")
+    }
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -16,10 +16,22 @@ from typing import Any
 
 import torch
 
-from baton.common.checkpoint import (DEFAULT_MAX_SHARD_BYTES, FORMAT_VERSION, METADATA_FILE, TOKENIZER_FILES,
-                                     CheckpointError, LoadedCheckpoint, atomic_directory, load_checkpoint,
-                                     load_state_dict, read_config, read_metadata, sha256_file, verify_hashes,
-                                     write_weights)
+from baton.common.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TOKENIZER_FILES,
+    CheckpointError,
+    LoadedCheckpoint,
+    atomic_directory,
+    load_checkpoint,
+    load_state_dict,
+    read_config,
+    read_metadata,
+    sha256_file,
+    verify_hashes,
+    write_weights,
+)
 from baton.common.hf import config_to_hf
 from baton.common.model import CausalLM
 from baton.serve.quantization.config import QuantConfig
@@ -34,8 +46,14 @@ def quantization_config(directory: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()).get("quantization_config")
 
 
-def save_quantized(out_dir: str | Path, model: CausalLM, qcfg: QuantConfig, *, tokenizer_dir: str | Path | None = None,
-                   extra: dict[str, Any] | None = None) -> Path:
+def save_quantized(
+    out_dir: str | Path,
+    model: CausalLM,
+    qcfg: QuantConfig,
+    *,
+    tokenizer_dir: str | Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     state = model.checkpoint_state_dict()
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
@@ -48,9 +66,16 @@ def save_quantized(out_dir: str | Path, model: CausalLM, qcfg: QuantConfig, *, t
                 if (Path(tokenizer_dir) / name).is_file():
                     (tmp / name).write_bytes((Path(tokenizer_dir) / name).read_bytes())
         files += [n for n in TOKENIZER_FILES if (tmp / n).exists()] + ["config.json"]
-        meta = {"format": "baton-checkpoint", "format_version": FORMAT_VERSION, "producer": "baton quantize",
-                "created_unix": time.time(), "dtype": model.config.torch_dtype, "quantization": qcfg.to_hf(),
-                "sha256": {name: sha256_file(tmp / name) for name in sorted(files)}, **(extra or {})}
+        meta = {
+            "format": "baton-checkpoint",
+            "format_version": FORMAT_VERSION,
+            "producer": "baton quantize",
+            "created_unix": time.time(),
+            "dtype": model.config.torch_dtype,
+            "quantization": qcfg.to_hf(),
+            "sha256": {name: sha256_file(tmp / name) for name in sorted(files)},
+            **(extra or {}),
+        }
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
@@ -60,13 +85,17 @@ def quantized_skeleton(config, qcfg: QuantConfig) -> CausalLM:
     with torch.device("meta"):
         model = CausalLM(config).to(config.dtype)
         for name, lin in target_linears(model).items():
-            set_module(model, name, FORMATS[qcfg.format](lin.in_features, lin.out_features, lin.bias is not None,
-                                                         qcfg.group_size))
+            set_module(
+                model,
+                name,
+                FORMATS[qcfg.format](lin.in_features, lin.out_features, lin.bias is not None, qcfg.group_size),
+            )
     return model
 
 
-def load_quantized(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                   verify: bool = True) -> LoadedCheckpoint:
+def load_quantized(
+    directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True
+) -> LoadedCheckpoint:
     d = Path(directory)
     if not d.is_dir():
         raise CheckpointError(f"checkpoint directory {d} does not exist")
@@ -81,8 +110,10 @@ def load_quantized(directory: str | Path, device: torch.device | str = "cpu", dt
         if got is None:
             raise CheckpointError(f"missing tensor {name!r} (expected {tuple(want.shape)} {want.dtype})")
         if got.shape != want.shape or got.dtype != want.dtype:
-            raise CheckpointError(f"tensor {name!r} is {tuple(got.shape)} {got.dtype}; the {qcfg.format} "
-                                  f"quantization_config expects {tuple(want.shape)} {want.dtype}")
+            raise CheckpointError(
+                f"tensor {name!r} is {tuple(got.shape)} {got.dtype}; the {qcfg.format} "
+                f"quantization_config expects {tuple(want.shape)} {want.dtype}"
+            )
     unexpected = sorted(set(state) - set(expected) - {"lm_head.weight"})
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not in the quantized model the config describes")
@@ -103,8 +134,9 @@ def load_quantized(directory: str | Path, device: torch.device | str = "cpu", dt
     return LoadedCheckpoint(model, config, read_metadata(d), d, tok if tok.is_file() else None)
 
 
-def load_model(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-               verify: bool = True) -> LoadedCheckpoint:
+def load_model(
+    directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None, verify: bool = True
+) -> LoadedCheckpoint:
     """Any Baton checkpoint, float or quantized."""
     if quantization_config(directory) is not None:
         return load_quantized(directory, device, dtype, verify)

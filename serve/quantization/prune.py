@@ -44,7 +44,9 @@ class PruneConfig:
 def num_removed(fraction: float, total: int, what: str) -> int:
     n = round(fraction * total)
     if fraction > 0 and n == 0:
-        raise ValueError(f"removing {fraction:.0%} of {total} {what} rounds to none; the smallest step is {1 / total:.0%}")
+        raise ValueError(
+            f"removing {fraction:.0%} of {total} {what} rounds to none; the smallest step is {1 / total:.0%}"
+        )
     return n
 
 
@@ -56,7 +58,10 @@ def importance(model: CausalLM, tokens: torch.Tensor, batch_size: int = 8) -> tu
     with torch.enable_grad():
         for batch in tokens.split(batch_size):
             logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum") / tokens[:, 1:].numel()
+            loss = (
+                F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
+                / tokens[:, 1:].numel()
+            )
             loss.backward()
     cfg = model.config
     group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -67,7 +72,9 @@ def importance(model: CausalLM, tokens: torch.Tensor, batch_size: int = 8) -> tu
         kv = sum(t[f"self_attn.{n}.weight"].reshape(cfg.num_key_value_heads, -1).sum(1) for n in ("k_proj", "v_proj"))
         o = t["self_attn.o_proj.weight"].reshape(cfg.hidden_size, cfg.num_key_value_heads, -1).sum((0, 2))
         heads.append(q + kv + o)
-        channels.append(t["mlp.gate_proj.weight"].sum(1) + t["mlp.up_proj.weight"].sum(1) + t["mlp.down_proj.weight"].sum(0))
+        channels.append(
+            t["mlp.gate_proj.weight"].sum(1) + t["mlp.up_proj.weight"].sum(1) + t["mlp.down_proj.weight"].sum(0)
+        )
     model.zero_grad(set_to_none=True)
     return torch.stack(heads), torch.stack(channels)
 
@@ -83,8 +90,13 @@ def prune_model(model: CausalLM, pcfg: PruneConfig, tokens: torch.Tensor) -> Cau
     head_scores, channel_scores = importance(model, tokens, pcfg.batch_size)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     kv_new = cfg.num_key_value_heads - drop_groups
-    new_cfg = dataclasses.replace(cfg, num_key_value_heads=kv_new, num_attention_heads=kv_new * group,
-                                  intermediate_size=cfg.intermediate_size - drop_channels, head_dim=cfg.head_dim)
+    new_cfg = dataclasses.replace(
+        cfg,
+        num_key_value_heads=kv_new,
+        num_attention_heads=kv_new * group,
+        intermediate_size=cfg.intermediate_size - drop_channels,
+        head_dim=cfg.head_dim,
+    )
     state = model.checkpoint_state_dict()
     d = cfg.head_dim
     for i in range(cfg.num_hidden_layers):
@@ -93,9 +105,15 @@ def prune_model(model: CausalLM, pcfg: PruneConfig, tokens: torch.Tensor) -> Cau
         q_rows = (keep_g[:, None] * group * d + torch.arange(group * d)).reshape(-1)
         kv_rows = (keep_g[:, None] * d + torch.arange(d)).reshape(-1)
         p = f"model.layers.{i}."
-        for name, rows, dim in (("self_attn.q_proj", q_rows, 0), ("self_attn.k_proj", kv_rows, 0),
-                                ("self_attn.v_proj", kv_rows, 0), ("self_attn.o_proj", q_rows, 1),
-                                ("mlp.gate_proj", keep_c, 0), ("mlp.up_proj", keep_c, 0), ("mlp.down_proj", keep_c, 1)):
+        for name, rows, dim in (
+            ("self_attn.q_proj", q_rows, 0),
+            ("self_attn.k_proj", kv_rows, 0),
+            ("self_attn.v_proj", kv_rows, 0),
+            ("self_attn.o_proj", q_rows, 1),
+            ("mlp.gate_proj", keep_c, 0),
+            ("mlp.up_proj", keep_c, 0),
+            ("mlp.down_proj", keep_c, 1),
+        ):
             for suffix in ("weight", "bias"):
                 key = f"{p}{name}.{suffix}"
                 if key in state and not (suffix == "bias" and dim == 1):  # o_proj's bias is per output
@@ -105,7 +123,9 @@ def prune_model(model: CausalLM, pcfg: PruneConfig, tokens: torch.Tensor) -> Cau
     return pruned.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)
 
 
-def prune_checkpoint(src: str | Path, out: str | Path, pcfg: PruneConfig, calib: CalibrationConfig | None = None) -> Path:
+def prune_checkpoint(
+    src: str | Path, out: str | Path, pcfg: PruneConfig, calib: CalibrationConfig | None = None
+) -> Path:
     """`baton prune`: float handoff checkpoint -> smaller dense handoff checkpoint."""
     src, calib = Path(src), calib or CalibrationConfig(num_samples=32)
     if not src.is_dir():
@@ -120,6 +140,8 @@ def prune_checkpoint(src: str | Path, out: str | Path, pcfg: PruneConfig, calib:
     tokenizer = Tokenizer.from_dir(src)
     ckpt = load_checkpoint(src, dtype=torch.float32)
     pruned = prune_model(ckpt.model, pcfg, calibration_tokens(calib, tokenizer)).to(cfg.dtype)
-    meta = HandoffMetadata(producer="baton prune", extra={"source": str(src.resolve()), "pruning": asdict(pcfg),
-                                                          "parameters_before": cfg.num_parameters()})
+    meta = HandoffMetadata(
+        producer="baton prune",
+        extra={"source": str(src.resolve()), "pruning": asdict(pcfg), "parameters_before": cfg.num_parameters()},
+    )
     return save_model(out, pruned, tokenizer_dir=src, metadata=meta)

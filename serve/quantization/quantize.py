@@ -13,8 +13,13 @@ from baton.common.checkpoint import CheckpointError, load_checkpoint, read_confi
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.quantization.awq import awq_layer
-from baton.serve.quantization.calibration import (CalibrationConfig, CalibrationError, LayerRunner, calibration_tokens,
-                                                  check_calibration_size)
+from baton.serve.quantization.calibration import (
+    CalibrationConfig,
+    CalibrationError,
+    LayerRunner,
+    calibration_tokens,
+    check_calibration_size,
+)
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.gptq import gptq_layer
 from baton.serve.quantization.linear import QuantLinear, set_module, target_linears
@@ -53,16 +58,19 @@ def quantize_model(model: CausalLM, qcfg: QuantConfig, tokens: torch.Tensor | No
     return model
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, qcfg: QuantConfig,
-                        calib: CalibrationConfig | None = None) -> Path:
+def quantize_checkpoint(
+    src: str | Path, out: str | Path, qcfg: QuantConfig, calib: CalibrationConfig | None = None
+) -> Path:
     """`baton quantize`: float handoff checkpoint -> quantized handoff checkpoint. Every input is
     checked (checkpoint, not already quantized, tokenizer and data for calibration) before any work."""
     src = Path(src)
     if not src.is_dir():
         raise CheckpointError(f"checkpoint directory {src} does not exist")
     if quantization_config(src) is not None:
-        raise ValueError(f"{src} is already quantized ({quantization_config(src).get('format')}); "
-                         "quantize its float checkpoint instead")
+        raise ValueError(
+            f"{src} is already quantized ({quantization_config(src).get('format')}); "
+            "quantize its float checkpoint instead"
+        )
     if qcfg.method in ("awq", "smoothquant") and read_config(src).num_local_experts > 0:
         raise ValueError(f"{qcfg.method} supports dense (non-MoE) models; use gptq or rtn for Mixtral")
     tokenizer = None

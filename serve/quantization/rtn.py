@@ -11,8 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.kernels.quant import (pack_int4, quantize_fp8_per_channel, quantize_int4_groupwise,
-                                 quantize_int8_per_channel, round_half_away)
+from baton.kernels.quant import (
+    pack_int4,
+    quantize_fp8_per_channel,
+    quantize_int4_groupwise,
+    quantize_int8_per_channel,
+    round_half_away,
+)
 from baton.serve.quantization.linear import QuantLinear, quantized_like
 
 
@@ -50,14 +55,23 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     n, k = w.shape
     g = pad_groups(w.float(), group_size).reshape(n, -1, group_size)
     scales, zeros = int4_params(g.reshape(n, -1), group_size)
-    return ((int4_round(g, scales[..., None], zeros[..., None]) - zeros[..., None]) * scales[..., None]).reshape(n, -1)[:, :k]
+    return ((int4_round(g, scales[..., None], zeros[..., None]) - zeros[..., None]) * scales[..., None]).reshape(n, -1)[
+        :, :k
+    ]
 
 
-def int4_module(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> QuantLinear:
+def int4_module(
+    linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> QuantLinear:
     """An Int4WeightLinear from integer levels [N, padded K] and per-group scales/zeros."""
-    return quantized_like(linear, "int4", group_size, qweight=pack_int4(levels.to(torch.uint8)),
-                          scales=scales.float(), qzeros=zeros.float())
+    return quantized_like(
+        linear,
+        "int4",
+        group_size,
+        qweight=pack_int4(levels.to(torch.uint8)),
+        scales=scales.float(),
+        qzeros=zeros.float(),
+    )
 
 
 def int8_module(linear: nn.Linear, levels: torch.Tensor, scales: torch.Tensor) -> QuantLinear:

@@ -28,7 +28,9 @@ def scale_groups(layer: DecoderLayer) -> list[ScaleGroup]:
     if not hasattr(layer, "mlp"):
         raise CalibrationError("AWQ and SmoothQuant support dense (non-MoE) models; use gptq or rtn for Mixtral")
     a, m = layer.self_attn, layer.mlp
-    groups = [ScaleGroup(layer.input_layernorm, {f"self_attn.{n}": getattr(a, n) for n in ("q_proj", "k_proj", "v_proj")})]
+    groups = [
+        ScaleGroup(layer.input_layernorm, {f"self_attn.{n}": getattr(a, n) for n in ("q_proj", "k_proj", "v_proj")})
+    ]
     if a.v_proj.out_features == a.o_proj.in_features:
         groups.append(ScaleGroup(a.v_proj, {"self_attn.o_proj": a.o_proj}))
     groups.append(ScaleGroup(layer.post_attention_layernorm, {"mlp.gate_proj": m.gate_proj, "mlp.up_proj": m.up_proj}))

@@ -41,6 +41,8 @@ def smoothquant_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfi
     inputs = collect_inputs(runner, layer, names)
     for group in groups:
         x = inputs[next(iter(group.linears))]
-        fold_scales(group, choose_scales(x[:MAX_TOKENS] if qcfg.alpha is None else x, stacked_weight(group), qcfg.alpha))
+        fold_scales(
+            group, choose_scales(x[:MAX_TOKENS] if qcfg.alpha is None else x, stacked_weight(group), qcfg.alpha)
+        )
     for name, lin in names.items():
         set_module(layer, name, rtn_linear(lin, "w8a8"))

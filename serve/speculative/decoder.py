@@ -43,8 +43,14 @@ def choose(p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, gener
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, runner: ModelRunner, block_manager: BlockManager,
-                 max_model_len: int):
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer,
+        runner: ModelRunner,
+        block_manager: BlockManager,
+        max_model_len: int,
+    ):
         self.config, self.proposer = config, proposer
         self.runner, self.bm = runner, block_manager
         self.max_model_len = max_model_len
@@ -63,15 +69,18 @@ class SpeculativeDecoder:
         if not decoding or (limit is not None and len(running) > limit):
             return
         budget = self.max_model_len - 1
-        ks = {s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1,
-                            budget - s.num_tokens) for s in decoding}
+        ks = {
+            s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1, budget - s.num_tokens)
+            for s in decoding
+        }
         ready = [s for s in decoding if ks[s.seq_id] > 0]
         if ready:
             propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
             per_sequence("propose", ready, propose, inject, fail)
 
-    def verify(self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None,
-               append: Callable[[SampleResult], None]) -> None:
+    def verify(
+        self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None, append: Callable[[SampleResult], None]
+    ) -> None:
         """Accept the longest verified path of seq's proposals, given the logits (and hidden states)
         of its rows in the forward: root first, then one row per proposal. `append` adds a token
         to seq (and may finish it)."""

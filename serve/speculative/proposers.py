@@ -47,7 +47,7 @@ class NgramProposer:
                 hits = np.nonzero((windows == toks[-n:]).all(axis=1))[0]
                 if len(hits):
                     start = int(hits[-1]) + n
-                    seq.spec_token_ids = toks[start:start + ks[seq.seq_id]].tolist()
+                    seq.spec_token_ids = toks[start : start + ks[seq.seq_id]].tolist()
                     break
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
@@ -69,8 +69,10 @@ class DraftProposer:
         self.cfg = cfg
         draft = load_checkpoint(cfg.draft_model).model
         if draft.config.vocab_size != target_vocab:
-            raise ValueError(f"draft model vocab {draft.config.vocab_size} != target vocab {target_vocab}: "
-                             "the draft must share the target's tokenizer")
+            raise ValueError(
+                f"draft model vocab {draft.config.vocab_size} != target vocab {target_vocab}: "
+                "the draft must share the target's tokenizer"
+            )
         block_size = 16
         elem = next(draft.parameters()).element_size()
         c = draft.config
@@ -89,8 +91,10 @@ class DraftProposer:
                 # a stream apart from the target's (seed + index); mod 2**64 keeps any int64 seed in range
                 m.generator = torch.Generator().manual_seed((seq.params.seed * 7919 + seq.index + 1) % 2**64)
             self.mirrors[seq.seq_id] = m
-        common = next((i for i, (a, b) in enumerate(zip(m.token_ids, seq.token_ids)) if a != b),
-                      min(len(m.token_ids), len(seq.token_ids)))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(m.token_ids, seq.token_ids)) if a != b),
+            min(len(m.token_ids), len(seq.token_ids)),
+        )
         m.token_ids = list(seq.token_ids)
         m.num_computed_tokens = min(m.num_computed_tokens, common, len(m.token_ids) - 1)
         self.bm.trim(m)
@@ -122,14 +126,14 @@ class DraftProposer:
                 probs[s.seq_id].append(q)
                 if self.cfg.tree_width > 1:
                     others = [int(t) for t in torch.topk(row, self.cfg.tree_width + 1).indices if int(t) != token]
-                    alts[s.seq_id].append([token] + others[:self.cfg.tree_width - 1])
+                    alts[s.seq_id].append([token] + others[: self.cfg.tree_width - 1])
         for s, m in pairs:
             if len(m.token_ids) <= s.num_tokens:
                 continue
             if self.cfg.tree_width > 1:
                 s.spec_token_ids, s.spec_parents = top_tree(alts[s.seq_id])
             else:
-                s.spec_token_ids = m.token_ids[s.num_tokens:]
+                s.spec_token_ids = m.token_ids[s.num_tokens :]
                 s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
@@ -176,8 +180,9 @@ class MedusaProposer:
         self.hidden.pop(seq.seq_id, None)
 
 
-def make_proposer(cfg: SpeculativeConfig, model_dir: str | Path | None, vocab: int, device: torch.device,
-                  dtype: torch.dtype) -> Proposer:
+def make_proposer(
+    cfg: SpeculativeConfig, model_dir: str | Path | None, vocab: int, device: torch.device, dtype: torch.dtype
+) -> Proposer:
     cfg.validate()
     if cfg.method == "ngram":
         return NgramProposer(cfg)

@@ -10,13 +10,27 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels_gpu.py"
-KERNELS = ("flash fwd", "flash bwd", "paged prefix", "decode", "reshape_and_cache", "rms_norm", "rotary", "swiglu",
-           "int8", "int4", "fp8", "w8a8", "quantize_per_token")
+KERNELS = (
+    "flash fwd",
+    "flash bwd",
+    "paged prefix",
+    "decode",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary",
+    "swiglu",
+    "int8",
+    "int4",
+    "fp8",
+    "w8a8",
+    "quantize_per_token",
+)
 
 
 def test_smoke_checks_every_kernel_against_its_reference(tmp_path):
-    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     checks = re.findall(r"^  check (.+?)\s+rel err\s+(\S+)\s+(ok|FAIL)$", out.stdout, re.M)
     assert checks and all(status == "ok" for *_, status in checks), checks

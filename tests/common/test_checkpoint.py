@@ -12,14 +12,26 @@ import pytest
 import torch
 
 from baton.common.checkpoint import (
-    INDEX_FILE, CheckpointError, HandoffMetadata, load_checkpoint, load_state_dict, read_metadata,
+    INDEX_FILE,
+    CheckpointError,
+    HandoffMetadata,
+    load_checkpoint,
+    load_state_dict,
+    read_metadata,
     save_model,
 )
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 
-CFG = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CFG = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 def _model(seed=0, **kw):
@@ -104,7 +116,7 @@ def test_process_killed_mid_write_keeps_previous(tmp_path):
                 os._exit(9)
             real(tensors, path, metadata=metadata)
         ck.save_file = dying_save
-        ck.save_model({str(tmp_path / 'ckpt')!r}, build_model(ModelConfig(**{CFG!r}), seed=2), max_shard_bytes=20_000)
+        ck.save_model({str(tmp_path / "ckpt")!r}, build_model(ModelConfig(**{CFG!r}), seed=2), max_shard_bytes=20_000)
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr

@@ -30,8 +30,15 @@ def test_help_lists_subcommands():
 
 def test_convert_both_ways_and_info(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.MistralConfig(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    cfg = transformers.MistralConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     baton("convert", "--from-hf", str(tmp_path / "hf"), str(tmp_path / "b"), "--dtype", "float16")
@@ -54,8 +61,20 @@ def test_errors_are_one_clear_line(tmp_path):
     assert proc.returncode == 2 and "learning_rate" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
     # a bad speculative setting is refused before the server loads anything or binds a port
-    proc = baton("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", "--speculative", "ngram",
-                 "--speculative-disable-above-batch", "0", check=False)
+    proc = baton(
+        "serve",
+        "--model",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--speculative",
+        "ngram",
+        "--speculative-disable-above-batch",
+        "0",
+        check=False,
+    )
     assert proc.returncode == 2 and "disable_above_batch must be >= 1" in proc.stderr and "listening" not in proc.stderr
 
 
@@ -67,7 +86,9 @@ def test_bench_lists_runs_and_refuses_unknown_benchmarks():
     usage = baton("bench", "serve_engine", "--help").stdout  # the script's own argparse: arguments pass through
     assert "serve_engine.py" in usage and "--quick" in usage
     proc = baton("bench", "no_such_bench", check=False)
-    assert proc.returncode == 2 and "unknown benchmark 'no_such_bench'" in proc.stderr and "Traceback" not in proc.stderr
+    assert (
+        proc.returncode == 2 and "unknown benchmark 'no_such_bench'" in proc.stderr and "Traceback" not in proc.stderr
+    )
 
 
 def test_debug_prints_the_traceback_of_a_user_error_too(tmp_path):

@@ -17,9 +17,7 @@ WORDS = "the king said unto his daughter that all men must sleep ere morning com
 def make_docs(n: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
     return [
-        f"Doc {i}: "
-        + " ".join(rng.choices(WORDS, k=rng.randrange(5, 40)))
-        + rng.choice([".", "!\n", "?\n\n"])
+        f"Doc {i}: " + " ".join(rng.choices(WORDS, k=rng.randrange(5, 40))) + rng.choice([".", "!\n", "?\n\n"])
         for i in range(n)
     ]
 
@@ -52,9 +50,7 @@ def build(tmp_path, tok, **kw):
 
 def test_jsonl_documents_are_packed_into_the_eos_joined_stream(tmp_path, tok):
     docs = make_docs(60)
-    train, val = build(
-        tmp_path, tok, path=str(write_jsonl(tmp_path / "d.jsonl", docs)), seq_len=32, val_fraction=0
-    )
+    train, val = build(tmp_path, tok, path=str(write_jsonl(tmp_path / "d.jsonl", docs)), seq_len=32, val_fraction=0)
     assert train.column_names == ["input_ids"]
     assert rows(train) == expected_blocks(tok, docs, 32)
     assert len(val) == 0
@@ -114,9 +110,7 @@ def test_too_little_text_for_one_block_is_a_clear_error(tmp_path, tok):
         build(tmp_path, tok, path=str(tmp_path / "t.txt"))
 
 
-def test_second_call_is_served_from_the_cache_keyed_by_tokenizer_and_seq_len(
-    tmp_path, tok, monkeypatch
-):
+def test_second_call_is_served_from_the_cache_keyed_by_tokenizer_and_seq_len(tmp_path, tok, monkeypatch):
     path = str(write_jsonl(tmp_path / "d.jsonl", make_docs(50)))
     cache = tmp_path / "cache"
     first = build(tmp_path, tok, path=path, seq_len=16)
@@ -142,9 +136,7 @@ def test_editing_the_source_file_invalidates_the_cache(tmp_path, tok):
     write_jsonl(path, make_docs(30, seed=2))
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     train, val = build(tmp_path, tok, path=str(path), seq_len=16)
-    assert sorted(rows(train) + rows(val)) == sorted(
-        expected_blocks(tok, make_docs(30, seed=2), 16)
-    )
+    assert sorted(rows(train) + rows(val)) == sorted(expected_blocks(tok, make_docs(30, seed=2), 16))
 
 
 def test_no_path_means_the_embedded_default_corpus(tmp_path, tok, monkeypatch):
@@ -167,9 +159,7 @@ def test_a_missing_json_field_is_a_clear_error(tmp_path, tok):
 def test_a_name_that_is_not_a_local_path_is_tried_on_the_hub(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # fail at once, no retries
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(
-        RuntimeError, match="loaded as a Hugging Face Hub dataset name, and that failed"
-    ):
+    with pytest.raises(RuntimeError, match="loaded as a Hugging Face Hub dataset name, and that failed"):
         build(tmp_path, tok, path="nobody/no-such-dataset")
 
 
@@ -208,9 +198,7 @@ def test_torch_loader_is_a_seeded_resumable_epoch(tmp_path, tok):
     blocks = torch.tensor(rows(train))
     batches = list(torch_loader(train, batch_size=5, seed=3))
     assert all(b.dtype == torch.int64 and b.shape[1] == 17 for b in batches)
-    assert [len(b) for b in batches] == [5] * (len(blocks) // 5) + (
-        [len(blocks) % 5] if len(blocks) % 5 else []
-    )
+    assert [len(b) for b in batches] == [5] * (len(blocks) // 5) + ([len(blocks) % 5] if len(blocks) % 5 else [])
     epoch = torch.cat(batches)
     assert sorted(epoch.tolist()) == sorted(blocks.tolist())  # each sample exactly once
     assert torch.equal(torch.cat(list(torch_loader(train, 5, seed=3))), epoch)
@@ -266,7 +254,11 @@ def test_a_directory_mixes_given_ids_and_text_to_encode(tmp_path, tok):
 )
 def test_bad_given_ids_are_a_clear_error_naming_the_file(tmp_path, tok, ids, message):
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"text": "the king", "token_ids": [4, 5]}) + "\n"
-                    + json.dumps({"text": "said", "token_ids": ids}) + "\n")
+    path.write_text(
+        json.dumps({"text": "the king", "token_ids": [4, 5]})
+        + "\n"
+        + json.dumps({"text": "said", "token_ids": ids})
+        + "\n"
+    )
     with pytest.raises(ValueError, match=f"{path}: 'token_ids' \\(DataConfig.ids_field\\) {message}"):
         build(tmp_path, tok, path=str(path), seq_len=4)

@@ -11,21 +11,47 @@ from baton.common.checkpoint import load_checkpoint, load_state_dict, read_metad
 from baton.common.hf import export_hf, import_hf
 from baton.common.model import greedy_generate
 
-BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-            num_attention_heads=4, max_position_embeddings=256, initializer_range=0.1,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 FAMILIES = {
-    "llama-gqa-llama3rope": (transformers.LlamaConfig, dict(num_key_value_heads=2, rope_theta=50000.0, rope_scaling=LLAMA3_ROPE)),
+    "llama-gqa-llama3rope": (
+        transformers.LlamaConfig,
+        dict(num_key_value_heads=2, rope_theta=50000.0, rope_scaling=LLAMA3_ROPE),
+    ),
     "llama-mqa-bias": (transformers.LlamaConfig, dict(num_key_value_heads=1, attention_bias=True)),
     "llama-tied": (transformers.LlamaConfig, dict(num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama-linear-rope-headdim": (transformers.LlamaConfig, dict(num_key_value_heads=2, head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama-linear-rope-headdim": (
+        transformers.LlamaConfig,
+        dict(num_key_value_heads=2, head_dim=32, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    ),
     "mistral-sliding": (transformers.MistralConfig, dict(num_key_value_heads=2, sliding_window=6, head_dim=16)),
     "qwen2-qkv-bias": (transformers.Qwen2Config, dict(num_key_value_heads=2)),
-    "qwen2-sliding-layers": (transformers.Qwen2Config, dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1)),
-    "mixtral-moe": (transformers.MixtralConfig, dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "qwen2-sliding-layers": (
+        transformers.Qwen2Config,
+        dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+    ),
+    "mixtral-moe": (
+        transformers.MixtralConfig,
+        dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    ),
 }
 
 
@@ -59,8 +85,14 @@ def test_logits_and_greedy_match_hf(family):
     assert ref.std() > 0.1, "logits are flat; the comparison would prove nothing"
 
     prompt = tokens[:2, :8]
-    ref_ids = hf_model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                                attention_mask=torch.ones_like(prompt), pad_token_id=0)[:, 8:]
+    ref_ids = hf_model.generate(
+        prompt,
+        max_new_tokens=32,
+        min_new_tokens=32,
+        do_sample=False,
+        attention_mask=torch.ones_like(prompt),
+        pad_token_id=0,
+    )[:, 8:]
     ours = greedy_generate(model, prompt, 32)
     assert torch.equal(ours, ref_ids), f"{name}: greedy tokens differ"
 
@@ -95,8 +127,11 @@ def test_hf_fused_expert_names_are_accepted(tmp_path):
     torch.manual_seed(0)
     hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**BASE, **extra)).eval()
     hf_model.save_pretrained(tmp_path / "hf")
-    save_file({k: v.contiguous() for k, v in hf_model.state_dict().items()}, tmp_path / "hf" / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in hf_model.state_dict().items()},
+        tmp_path / "hf" / "model.safetensors",
+        metadata={"format": "pt"},
+    )
     with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
         assert any("gate_up_proj" in k for k in f.keys())
     model = load_checkpoint(import_hf(tmp_path / "hf", tmp_path / "b")).model

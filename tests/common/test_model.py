@@ -8,8 +8,15 @@ from baton.common.config import ModelConfig
 from baton.common.model import DenseCausalAttention, build_model
 from baton.common.rope import inv_frequencies
 
-CFG = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
-           num_attention_heads=6, num_key_value_heads=2, initializer_range=0.1)
+CFG = dict(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+)
 
 
 def naive_attention(q, k, v, scale, window=None):
@@ -86,8 +93,17 @@ def test_moe_routes_each_token_to_top_k_experts():
 
 
 def test_rope_llama3_scaling_against_formula():
-    cfg = ModelConfig(**CFG, rope_theta=10000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = ModelConfig(
+        **CFG,
+        rope_theta=10000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
     inv = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).double()
     base = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).double() / 8)
     for f, b in zip(inv.tolist(), base.tolist()):

@@ -10,9 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from baton.common.corpus import build_corpus
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
 
-TINYSHAKESPEARE = (
-    Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
-)
+TINYSHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
 
 ROUND_TRIP = [
     "",
@@ -93,10 +91,7 @@ def test_bpe_trains_from_files_line_by_line(tmp_path, text):
     path = tmp_path / "corpus.txt"
     path.write_text(text, encoding="utf-8")
     from_file = train_bpe([path], vocab_size=350)
-    assert (
-        from_file.hf.to_str()
-        == train_bpe(text.splitlines(keepends=True), vocab_size=350).hf.to_str()
-    )
+    assert from_file.hf.to_str() == train_bpe(text.splitlines(keepends=True), vocab_size=350).hf.to_str()
 
 
 def test_bpe_rejects_a_vocabulary_smaller_than_the_bytes(text):
@@ -182,15 +177,11 @@ def test_loading_errors_name_the_path_and_problem(text, tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
-    train_bpe([text[:20_000]], 300, special_tokens=("<|x|>",)).hf.save(
-        str(tmp_path / "tokenizer.json")
-    )
+    train_bpe([text[:20_000]], 300, special_tokens=("<|x|>",)).hf.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="no end-of-text token"):
         Tokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|missing|>"}')
-    with pytest.raises(
-        ValueError, match=re.escape("tokenizer.json: special token '<|missing|>' is not in")
-    ):
+    with pytest.raises(ValueError, match=re.escape("tokenizer.json: special token '<|missing|>' is not in")):
         Tokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text("{oops")
     with pytest.raises(ValueError, match="tokenizer_config.json is not valid JSON"):

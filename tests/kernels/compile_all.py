@@ -27,56 +27,85 @@ def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False
     def run():
         from baton.kernels import flash_attention as fa
         from baton.kernels.flash_attention_bwd import flash_attn_bwd_triton
+
         cu = torch.tensor([0, 5, 12], dtype=torch.int32)
         q = torch.zeros(12, 4, head_dim, dtype=dtype)
         k = torch.zeros(12, 2, head_dim, dtype=dtype)
         if paged:
             cache = torch.zeros(4, 16, 2, head_dim, dtype=dtype)
-            fa.flash_attn_with_paged_prefix_triton(q, k, k, cu, cache, cache, torch.zeros(2, 2, dtype=torch.int32),
-                                                   torch.tensor([3, 20], dtype=torch.int32), 7, causal=causal,
-                                                   sliding_window=window)
+            fa.flash_attn_with_paged_prefix_triton(
+                q,
+                k,
+                k,
+                cu,
+                cache,
+                cache,
+                torch.zeros(2, 2, dtype=torch.int32),
+                torch.tensor([3, 20], dtype=torch.int32),
+                7,
+                causal=causal,
+                sliding_window=window,
+            )
         elif backward:
             lse = torch.zeros(4, 12)
             flash_attn_bwd_triton(q, q, k, k, q, lse, cu, cu, 7, 7, causal=causal, sliding_window=window)
         else:
             fa.flash_attn_fwd_triton(q, k, k, cu, cu, 7, causal=causal, sliding_window=window, with_lse=True)
+
     return run
 
 
 def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None):
     def run():
         from baton.kernels.paged_attention import paged_attention_decode_triton
+
         cache = torch.zeros(8, 16, 2, head_dim, dtype=dtype)
         tables = torch.zeros(3, 8, dtype=torch.int32)
         lens = torch.tensor([1, 60, 128], dtype=torch.int32)
-        paged_attention_decode_triton(torch.zeros(3, 2 * group, head_dim, dtype=dtype), cache, cache, tables, lens,
-                                      sliding_window=window, num_splits=num_splits, max_score_estimate=estimate)
+        paged_attention_decode_triton(
+            torch.zeros(3, 2 * group, head_dim, dtype=dtype),
+            cache,
+            cache,
+            tables,
+            lens,
+            sliding_window=window,
+            num_splits=num_splits,
+            max_score_estimate=estimate,
+        )
+
     return run
 
 
 def _elementwise(name, dtype):
     def run():
         from baton.kernels import activation, kv_cache, rmsnorm, rotary
+
         x = torch.zeros(4, 4096, dtype=dtype)
         if name == "rms_norm":
             rmsnorm.rms_norm_triton(x, torch.zeros(4096, dtype=dtype), 1e-6)
         elif name == "rms_norm_residual":
             rmsnorm.rms_norm_triton(x, torch.zeros(4096, dtype=dtype), 1e-6, residual=x)
         elif name == "rotary":
-            rotary.apply_rotary_triton(torch.zeros(4, 32, 128, dtype=dtype), torch.zeros(4, 8, 128, dtype=dtype),
-                                       torch.zeros(4, 128), torch.zeros(4, 128))
+            rotary.apply_rotary_triton(
+                torch.zeros(4, 32, 128, dtype=dtype),
+                torch.zeros(4, 8, 128, dtype=dtype),
+                torch.zeros(4, 128),
+                torch.zeros(4, 128),
+            )
         elif name == "swiglu":
             activation.swiglu_triton(x, x)
         elif name == "reshape_and_cache":
             k = torch.zeros(4, 8, 128, dtype=dtype)
             cache = torch.zeros(2, 16, 8, 128, dtype=dtype)
             kv_cache.reshape_and_cache_triton(k, k, cache, cache, torch.zeros(4, dtype=torch.int64))
+
     return run
 
 
 def _quant(fmt, dtype, m):
     def run():
         from baton.kernels import quant_matmul as qm, w8a8
+
         x = torch.zeros(m, 256, dtype=dtype)
         w8 = torch.zeros(128, 256, dtype=torch.int8)
         s = torch.zeros(128)
@@ -91,6 +120,7 @@ def _quant(fmt, dtype, m):
             w8a8.w8a8_matmul_triton(torch.zeros(m, 256, dtype=torch.int8), torch.zeros(m), w8, s, dtype)
         elif fmt == "quantize_per_token":
             w8a8.quantize_per_token_triton(x)
+
     return run
 
 
@@ -109,11 +139,17 @@ CASES = {
     "decode_f32_d64_gqa8_window_split": _decode(f32, 64, 8, 3, window=50),
     "decode_unified_max_bf16_d128_gqa4_split": _decode(bf16, 128, 4, 4, estimate=5.0),
     "decode_unified_max_f16_d64_direct": _decode(f16, 64, 2, 1, estimate=5.0),
-    **{f"{name}_{tag}": _elementwise(name, dt) for name in
-       ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache") for tag, dt in
-       (("bf16", bf16), ("f32", f32))},
-    **{f"{fmt}_{tag}_m{m}": _quant(fmt, dt, m) for fmt in ("int8", "int4", "fp8", "w8a8")
-       for tag, dt in (("bf16", bf16), ("f16", f16)) for m in (4, 100)},
+    **{
+        f"{name}_{tag}": _elementwise(name, dt)
+        for name in ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache")
+        for tag, dt in (("bf16", bf16), ("f32", f32))
+    },
+    **{
+        f"{fmt}_{tag}_m{m}": _quant(fmt, dt, m)
+        for fmt in ("int8", "int4", "fp8", "w8a8")
+        for tag, dt in (("bf16", bf16), ("f16", f16))
+        for m in (4, 100)
+    },
     "quantize_per_token_bf16": _quant("quantize_per_token", bf16, 100),
 }
 
@@ -132,10 +168,10 @@ def _install_compiling_run(results: dict, case: list[str]) -> None:
             try:
                 binder = create_function_from_signature(self.signature, self.params, backend)
                 bound, specialization, options = binder(*args, **kwargs)
-                options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization,
-                                                                        options)
-                kernel = triton.compile(ASTSource(self, signature, constexprs, attrs), target=target,
-                                        options=options.__dict__)
+                options, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+                kernel = triton.compile(
+                    ASTSource(self, signature, constexprs, attrs), target=target, options=options.__dict__
+                )
                 shared = kernel.metadata.shared
                 outcome = "ok" if shared <= SHARED_LIMIT[cc] else f"{self.__name__}: {shared} B of shared memory"
             except Exception as e:  # noqa: BLE001 - every compiler error is a result to report

@@ -21,8 +21,11 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from baton.kernels import _utils, flash_attention  # noqa: E402
 
 if not isinstance(flash_attention._flash_fwd_kernel, InterpretedFunction):
-    pytest.exit("baton.kernels was imported before TRITON_INTERPRET=1 was set; set it in the environment "
-                "or in the root tests/conftest.py", returncode=2)
+    pytest.exit(
+        "baton.kernels was imported before TRITON_INTERPRET=1 was set; set it in the environment "
+        "or in the root tests/conftest.py",
+        returncode=2,
+    )
 
 COMPILE_SCRIPT = Path(__file__).with_name("compile_all.py")
 _COMPILE_PROC = pytest.StashKey[subprocess.Popen]()
@@ -45,8 +48,12 @@ def pytest_collection_finish(session):
     if names:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         session.config.stash[_COMPILE_PROC] = subprocess.Popen(
-            [sys.executable, str(COMPILE_SCRIPT), *names], env=env, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            [sys.executable, str(COMPILE_SCRIPT), *names],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
 
 def pytest_unconfigure(config):

@@ -8,7 +8,13 @@ from baton.kernels import activation, reference as ref, rmsnorm, rotary
 from baton.common.rope import inv_frequencies, rotary_cos_sin
 from baton.kernels import apply_rotary, rms_norm, swiglu
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 DTYPES = [torch.float32, torch.float16]

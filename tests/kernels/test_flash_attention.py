@@ -67,7 +67,7 @@ def _paged_case(dtype, heads, prefix, new, block_size):
     used = 0
     for b, p in enumerate(prefix):
         n = -(-p // block_size)
-        tables[b, :n] = perm[used:used + n]
+        tables[b, :n] = perm[used : used + n]
         used += n
     q = torch.randn(sum(new), hq, d, dtype=dtype)
     k = torch.randn(sum(new), hkv, d, dtype=dtype)

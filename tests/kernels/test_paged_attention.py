@@ -20,7 +20,7 @@ def _decode_case(dtype, lens, heads=(8, 2), head_dim=32, block_size=16, spare_bl
     num_blocks = len(lens) * max_blocks + spare_blocks
     k_cache = torch.randn(num_blocks, block_size, hkv, head_dim, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_blocks)[:len(lens) * max_blocks].reshape(len(lens), max_blocks).to(torch.int32)
+    tables = torch.randperm(num_blocks)[: len(lens) * max_blocks].reshape(len(lens), max_blocks).to(torch.int32)
     q = torch.randn(len(lens), hq, head_dim, dtype=dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
 
@@ -59,8 +59,9 @@ def test_cpu_kernels_build_and_dispatch_uses_them():
 
 @pytest.mark.parametrize("impl", ["cpu", "torch"])
 @pytest.mark.parametrize("window", [None, 50, 1])
-@pytest.mark.parametrize("heads,head_dim,block_size", [((4, 4), 32, 16), ((8, 2), 64, 8), ((8, 1), 128, 16),
-                                                        ((6, 3), 48, 4)])
+@pytest.mark.parametrize(
+    "heads,head_dim,block_size", [((4, 4), 32, 16), ((8, 2), 64, 8), ((8, 1), 128, 16), ((6, 3), 48, 4)]
+)
 def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
     """The C++ kernel (fixed-size loops for head_dim 32/64/128, a generic one for 48) and the torch
     bucketing path, on MHA/GQA/MQA with lengths from 0 to past 2 x 250, against the reference."""
@@ -86,9 +87,9 @@ def test_decode_cpu_tail_mask(heads):
     for b, n in enumerate(lens):
         keep = torch.ones(1, n, dtype=torch.bool)
         seen = min(tail_len, n)
-        keep[0, n - seen:] = tail[b, tail_len - seen:]
+        keep[0, n - seen :] = tail[b, tail_len - seen :]
         keys, vals = ref.gather_paged(k_cache, tables[b], n), ref.gather_paged(v_cache, tables[b], n)
-        want = ref._attend(q[b:b + 1], keys, vals, keep, 0.3)[0]
+        want = ref._attend(q[b : b + 1], keys, vals, keep, 0.3)[0]
         torch.testing.assert_close(got[b], want, **TOL[torch.float32])
     with pytest.raises(RuntimeError, match="sliding window"):
         pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, sliding_window=8, tail_mask=tail)
@@ -128,8 +129,12 @@ def test_decode_cpu_kernel_splits_work_across_threads(lens):
 
 # Unified max: scores here are ~N(0, 1); 3.0 is a sensible estimate, -300 overflows 2^(s - phi)
 # (fallback), 300 underflows it to 0 (fallback), a per-head tensor mixes both.
-ESTIMATES = {"good": 3.0, "too_low": -300.0, "too_high": 300.0,
-             "per_head": torch.tensor([3.0, -300.0, 300.0, 0.0, 3.0, 3.0, 40.0, -40.0])}
+ESTIMATES = {
+    "good": 3.0,
+    "too_low": -300.0,
+    "too_high": 300.0,
+    "per_head": torch.tensor([3.0, -300.0, 300.0, 0.0, 3.0, 3.0, 40.0, -40.0]),
+}
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # numpy, in the interpreter,
@@ -149,8 +154,9 @@ def test_decode_unified_max_with_large_scores_and_window():
     q, k_cache, v_cache, tables, lens = _decode_case(torch.float32, [200, 130], heads=(2, 1))
     k_cache[tables[0, 0], 3] *= 40.0  # one huge-score key early in sequence 0
     want = ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens, sliding_window=190)
-    got = pa.paged_attention_decode_triton(q, k_cache, v_cache, tables, lens, sliding_window=190, num_splits=4,
-                                           max_score_estimate=2.0)
+    got = pa.paged_attention_decode_triton(
+        q, k_cache, v_cache, tables, lens, sliding_window=190, num_splits=4, max_score_estimate=2.0
+    )
     torch.testing.assert_close(got, want, **TOL[torch.float32])
 
 
@@ -193,8 +199,9 @@ def test_write_then_decode_end_to_end():
     slots = tables.long()[torch.arange(2), positions // 8] * 8 + positions % 8
     kv_cache.reshape_and_cache_triton(new_k, new_v, k_cache, v_cache, slots)
     got = pa.paged_attention_decode_triton(q, k_cache, v_cache, tables, lens + 1, num_splits=2)
-    torch.testing.assert_close(got, ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens + 1),
-                               **TOL[torch.float32])
+    torch.testing.assert_close(
+        got, ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens + 1), **TOL[torch.float32]
+    )
 
 
 def test_length_buckets_cover_every_row_once_within_the_waste_bound():

@@ -37,8 +37,9 @@ def test_attention_ref_matches_naive(causal, window, heads):
     cu_q, cu_k = [0, 1, 7, 16], [0, 3, 9, 22]
     q = torch.randn(sum(lens_q), heads[0], 8, dtype=f64)
     k, v = torch.randn(2, sum(lens_k), heads[1], 8, dtype=f64)
-    got = ref.flash_attn_varlen_ref(q, k, v, torch.tensor(cu_q), torch.tensor(cu_k), 9, 13, causal=causal,
-                                    sliding_window=window, softmax_scale=0.3)
+    got = ref.flash_attn_varlen_ref(
+        q, k, v, torch.tensor(cu_q), torch.tensor(cu_k), 9, 13, causal=causal, sliding_window=window, softmax_scale=0.3
+    )
     torch.testing.assert_close(got, _naive_attention(q, k, v, cu_q, cu_k, causal, window, 0.3), rtol=1e-12, atol=1e-12)
 
 
@@ -73,9 +74,9 @@ def test_paged_prefix_ref_matches_naive():
     k, v = torch.randn(2, sum(new), 2, 8, dtype=f64)
     cu = torch.tensor([0, 3, 4, 8])
     got = ref.flash_attn_with_paged_prefix_ref(q, k, v, cu, kc, vc, tables, torch.tensor(prefix), 4, sliding_window=6)
-    kk = torch.cat([torch.cat([k_prefix[b], k[cu[b]:cu[b + 1]]]) for b in range(3)])
-    vv = torch.cat([torch.cat([v_prefix[b], v[cu[b]:cu[b + 1]]]) for b in range(3)])
-    want = _naive_attention(q, kk, vv, cu.tolist(), [0, 3, 9, 22], True, 6, 8 ** -0.5)
+    kk = torch.cat([torch.cat([k_prefix[b], k[cu[b] : cu[b + 1]]]) for b in range(3)])
+    vv = torch.cat([torch.cat([v_prefix[b], v[cu[b] : cu[b + 1]]]) for b in range(3)])
+    want = _naive_attention(q, kk, vv, cu.tolist(), [0, 3, 9, 22], True, 6, 8**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -87,7 +88,7 @@ def test_decode_ref_matches_naive():
     kc, vc, tables = _pools(k_seqs, v_seqs)
     q = torch.randn(3, 4, 8, dtype=f64)
     got = ref.paged_attention_decode_ref(q, kc, vc, tables, torch.tensor(ctx), sliding_window=3)
-    want = _naive_attention(q, torch.cat(k_seqs), torch.cat(v_seqs), [0, 1, 2, 3], [0, 1, 7, 17], True, 3, 8 ** -0.5)
+    want = _naive_attention(q, torch.cat(k_seqs), torch.cat(v_seqs), [0, 1, 2, 3], [0, 1, 7, 17], True, 3, 8**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -104,8 +105,19 @@ def test_reshape_and_cache_ref_roundtrip_with_gather():
 def test_rms_norm_ref():
     x, r = torch.randn(2, 2, 3, 10, dtype=f64)
     w = torch.randn(10, dtype=f64)
-    want = torch.tensor([[[(x[i, j, c] + r[i, j, c]) / math.sqrt(sum((x[i, j] + r[i, j]) ** 2) / 10 + 1e-5) * w[c]
-                           for c in range(10)] for j in range(3)] for i in range(2)], dtype=f64)
+    want = torch.tensor(
+        [
+            [
+                [
+                    (x[i, j, c] + r[i, j, c]) / math.sqrt(sum((x[i, j] + r[i, j]) ** 2) / 10 + 1e-5) * w[c]
+                    for c in range(10)
+                ]
+                for j in range(3)
+            ]
+            for i in range(2)
+        ],
+        dtype=f64,
+    )
     out, h = ref.rms_norm_ref(x, w, 1e-5, residual=r)
     torch.testing.assert_close(out, want)
     torch.testing.assert_close(h, x + r)
@@ -127,10 +139,25 @@ def test_llama3_inv_freq_matches_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    config = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     torch.testing.assert_close(inv_frequencies(128, 500000.0, scaling), want)
 
@@ -151,15 +178,17 @@ def test_int4_pack_unpack_and_quantizers_bound_the_error():
     q8, s8 = quant.quantize_int8_per_channel(w)
     assert ((q8.float() * s8[:, None] - w).abs() <= s8[:, None] * 0.5 + 1e-6).all()
     f8, sf = quant.quantize_fp8_per_channel(w)
-    assert ((f8.float() * sf[:, None] - w).abs() <= w.abs() * 2 ** -4 + sf[:, None] * 2 ** -9).all()
+    assert ((f8.float() * sf[:, None] - w).abs() <= w.abs() * 2**-4 + sf[:, None] * 2**-9).all()
 
 
 def test_quantized_matmul_refs_match_float64():
     x = torch.randn(3, 32, dtype=f64)
     w = torch.randn(5, 32)
     q8, s8 = quant.quantize_int8_per_channel(w)
-    want = torch.tensor([[sum(x[m, c] * q8[n, c].item() * s8[n].item() for c in range(32)) for n in range(5)]
-                         for m in range(3)], dtype=f64)
+    want = torch.tensor(
+        [[sum(x[m, c] * q8[n, c].item() * s8[n].item() for c in range(32)) for n in range(5)] for m in range(3)],
+        dtype=f64,
+    )
     torch.testing.assert_close(ref.int8_weight_matmul_ref(x, q8, s8), want)
     f8, sf = quant.quantize_fp8_per_channel(w)
     torch.testing.assert_close(ref.fp8_weight_matmul_ref(x, f8, sf), x @ (f8.double() * sf.double()[:, None]).T)

@@ -10,17 +10,30 @@ from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.hf import import_hf
 from baton.common.tokenizer import train_bpe
 
-BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256,
-            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, {}),
     "mistral": (transformers.MistralConfig, dict(sliding_window=12, head_dim=16)),
     "qwen2": (transformers.Qwen2Config, {}),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
 }
-TEXT = ("The quick brown fox jumps over the lazy dog. " * 20 + "Émigré naïve café 🦊 😀 日本語のテキスト. " * 10
-        + "def f(x):\n    return x * 2\n" * 10)
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. " * 20
+    + "Émigré naïve café 🦊 😀 日本語のテキスト. " * 10
+    + "def f(x):\n    return x * 2\n" * 10
+)
 
 
 def make_hf_checkpoint(tmp_path, family: str, seed: int = 0):

@@ -19,14 +19,26 @@ from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.server import BatonServer, ServerConfig
 
-PROMPTS = ["The quick brown fox", "def f(x):", "Émigré naïve café", "The lazy dog jumps over", "return x * 2",
-           "quick brown", "日本語のテキスト", "The fox. The dog. The", "café 🦊", "over the lazy", "x * 2\n",
-           "jumps"]
+PROMPTS = [
+    "The quick brown fox",
+    "def f(x):",
+    "Émigré naïve café",
+    "The lazy dog jumps over",
+    "return x * 2",
+    "quick brown",
+    "日本語のテキスト",
+    "The fox. The dog. The",
+    "café 🦊",
+    "over the lazy",
+    "x * 2\n",
+    "jumps",
+]
 BATON = [sys.executable, "-m", "baton.common.cli"]
 
 
-def offline(model_dir: Path, prompts: list[str], max_tokens: int,
-            ignore_eos: bool = False) -> list[tuple[list[int], str, str]]:
+def offline(
+    model_dir: Path, prompts: list[str], max_tokens: int, ignore_eos: bool = False
+) -> list[tuple[list[int], str, str]]:
     """(token ids, text, finish reason) per prompt from the offline LLM, greedy."""
     llm = LLM(model_dir, EngineConfig(num_kv_blocks=256, block_size=8))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos))
@@ -63,9 +75,12 @@ class ServerProcess:
     def __init__(self, tmp: Path, *args: str, timeout: float = 60):
         self.log_path = tmp / f"serve-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([*BATON, "serve", "--port", "0", "--metrics-port", "0", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [*BATON, "serve", "--port", "0", "--metrics-port", "0", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         deadline = time.monotonic() + timeout
         while not (m := re.search(r"ready: .* grpc=([\d.]+):(\d+) .* metrics=http://[\d.]+:(\d+)/", self.log())):
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -95,14 +110,56 @@ def make_tls(tmp: Path) -> dict[str, Path]:
     p = {k: tmp / f"{k}.pem" for k in ("ca", "ca_key", "cert", "key", "other_ca", "other_ca_key")}
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     for ca, key in (("ca", "ca_key"), ("other_ca", "other_ca_key")):
-        subprocess.run(["openssl", "req", "-x509", *ec, "-keyout", p[key], "-out", p[ca], "-days", "1",
-                        "-subj", f"/CN=baton-test-{ca}", "-addext", "basicConstraints=critical,CA:TRUE",
-                        "-addext", "keyUsage=critical,keyCertSign"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                *ec,
+                "-keyout",
+                p[key],
+                "-out",
+                p[ca],
+                "-days",
+                "1",
+                "-subj",
+                f"/CN=baton-test-{ca}",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign",
+            ],
+            check=True,
+            capture_output=True,
+        )
     csr = tmp / "server.csr"
-    subprocess.run(["openssl", "req", *ec, "-keyout", p["key"], "-out", csr, "-subj", "/CN=localhost"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["openssl", "req", *ec, "-keyout", p["key"], "-out", csr, "-subj", "/CN=localhost"],
+        check=True,
+        capture_output=True,
+    )
     ext = tmp / "ext.cnf"
     ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    subprocess.run(["openssl", "x509", "-req", "-in", csr, "-CA", p["ca"], "-CAkey", p["ca_key"], "-CAcreateserial",
-                    "-out", p["cert"], "-days", "1", "-extfile", ext], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            p["ca"],
+            "-CAkey",
+            p["ca_key"],
+            "-CAcreateserial",
+            "-out",
+            p["cert"],
+            "-days",
+            "1",
+            "-extfile",
+            ext,
+        ],
+        check=True,
+        capture_output=True,
+    )
     return p

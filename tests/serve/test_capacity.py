@@ -37,13 +37,18 @@ def refused(engine: LLMEngine, prompt, p: SamplingParams, message: str) -> None:
 
 
 def test_n_is_bounded_by_max_num_seqs_and_forks_never_overfill_the_batch(llama_dir):
-    engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=64, block_size=8,
-                                                               scheduler=SchedulerConfig(max_num_seqs=4)))
+    engine = LLMEngine.from_checkpoint(
+        llama_dir, EngineConfig(num_kv_blocks=64, block_size=8, scheduler=SchedulerConfig(max_num_seqs=4))
+    )
     refused(engine, _rand(9, 1), params(4, n=5), r"n is 5, more than the 4 sequences a batch holds \(max_num_seqs\)")
     # the n=4 request arrives while another runs, and two more queue behind it: drive() checks the
     # batch never holds more than 4 sequences, though the forks join it after the prompt
-    plan = [(0, "one", _rand(9, 2), params(6)), (1, "four", _rand(12, 3), params(6, n=4)),
-            (1, "x", _rand(5, 4), params(6)), (2, "y", _rand(6, 5), params(6))]
+    plan = [
+        (0, "one", _rand(9, 2), params(6)),
+        (1, "four", _rand(12, 3), params(6, n=4)),
+        (1, "x", _rand(5, 4), params(6)),
+        (2, "y", _rand(6, 5), params(6)),
+    ]
     finals = served(engine, plan)
     assert len(finals["four"].outputs) == 4 and len({tuple(c.token_ids) for c in finals["four"].outputs}) == 1
 
@@ -60,15 +65,22 @@ def test_n_samples_need_a_block_each_beside_the_shared_prompt(llama_dir):
 def test_a_sequence_must_fit_the_pool_to_the_block(llama_dir, mode):
     """4 blocks of 8: 32 prompt tokens and one new token fit (that token's KV is never computed),
     one more token of either does not."""
-    engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(
-        num_kv_blocks=4, block_size=8, scheduler=SchedulerConfig(preemption_mode=mode)))
+    engine = LLMEngine.from_checkpoint(
+        llama_dir, EngineConfig(num_kv_blocks=4, block_size=8, scheduler=SchedulerConfig(preemption_mode=mode))
+    )
     served(engine, [(0, "edge", _rand(32, 7), params(1))])
     refused(engine, _rand(32, 7), params(2), "cannot hold one sequence of 33 cached tokens")
     refused(engine, _rand(33, 8), params(1), "cannot hold one sequence of 33 cached tokens")
     # two that each need the whole pool at their end: they take turns (swapped out or recomputed)
     plan = [(0, "p", _rand(10, 9), params(23)), (0, "q", _rand(11, 10), params(22))]
-    alone = {rid: served(LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=4, block_size=8)),
-                         [(0, rid, prompt, p)])[rid].outputs[0].token_ids for _, rid, prompt, p in plan}
+    alone = {
+        rid: served(
+            LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=4, block_size=8)), [(0, rid, prompt, p)]
+        )[rid]
+        .outputs[0]
+        .token_ids
+        for _, rid, prompt, p in plan
+    }
     finals = served(engine, plan)
     assert {rid: out.outputs[0].token_ids for rid, out in finals.items()} == alone
     assert engine.scheduler.num_preemptions > 0
@@ -83,8 +95,16 @@ def _small(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def streaming_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("streaming-capacity")
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+    )
     save_model(d / "m", build_model(cfg, seed=3))
     return d / "m"
 
@@ -92,9 +112,16 @@ def streaming_model(tmp_path_factory):
 def streaming(model_dir, blocks: int, **sched) -> LLMEngine:
     """4 sinks + a 24-token window in blocks of 4: after eviction a stream holds at most
     4 + 24 + 3 tokens plus the one it computes, 31 tokens = 8 blocks."""
-    return LLMEngine.from_checkpoint(model_dir, EngineConfig(
-        num_kv_blocks=blocks, block_size=4, streaming_sink_tokens=4, streaming_window_tokens=24,
-        scheduler=SchedulerConfig(**sched)))
+    return LLMEngine.from_checkpoint(
+        model_dir,
+        EngineConfig(
+            num_kv_blocks=blocks,
+            block_size=4,
+            streaming_sink_tokens=4,
+            streaming_window_tokens=24,
+            scheduler=SchedulerConfig(**sched),
+        ),
+    )
 
 
 def test_streaming_needs_sinks_plus_window_in_the_pool(streaming_model):
@@ -103,8 +130,11 @@ def test_streaming_needs_sinks_plus_window_in_the_pool(streaming_model):
     served(small, [(0, "short", _small(6, 11), params(20))])  # 25 tokens ever cached: fits 7 blocks
     engine = streaming(streaming_model, 8)
     peak = []
-    finals = drive(engine, [(0, "long", _small(6, 11), params(300))], lambda step, outs: peak.append(
-        engine.block_manager.num_used_blocks))
+    finals = drive(
+        engine,
+        [(0, "long", _small(6, 11), params(300))],
+        lambda step, outs: peak.append(engine.block_manager.num_used_blocks),
+    )
     assert finals["long"].error is None and len(finals["long"].outputs[0].token_ids) == 300
     assert max(peak) <= 8 and pool_whole(engine)
 
@@ -131,5 +161,7 @@ def test_streams_preempted_past_the_pool_re_prefill_in_chunks(streaming_model):
         finals.update((o.request_id, o) for o in engine.step() if o.finished)
         step += 1
     assert {rid: (o.error, len(o.outputs[0].token_ids)) for rid, o in finals.items()} == {
-        "long": (None, 150), "urgent": (None, 60)}
+        "long": (None, 150),
+        "urgent": (None, 60),
+    }
     assert finals["long"].metrics.num_preemptions > 0 and pool_whole(engine)

@@ -38,8 +38,11 @@ def served(monkeypatch):
 
 
 def test_every_engine_field_has_a_serve_flag():
-    options = {s for a in build_parser("serve")._subparsers._group_actions[0].choices["serve"]._actions
-               for s in a.option_strings}
+    options = {
+        s
+        for a in build_parser("serve")._subparsers._group_actions[0].choices["serve"]._actions
+        for s in a.option_strings
+    }
     for cls, prefix in ((EngineConfig, ""), (SchedulerConfig, ""), (SpeculativeConfig, "speculative-")):
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
@@ -50,18 +53,58 @@ def test_every_engine_field_has_a_serve_flag():
 
 
 def test_derived_flags_reach_the_config(served, tmp_path):
-    argv = ["serve", "--model", str(tmp_path), "--max-num-batched-tokens", "96", "--no-enable-chunked-prefill",
-            "--preemption-mode", "swap", "--no-enable-prefix-caching", "--streaming-sink-tokens", "4",
-            "--streaming-window-tokens", "64", "--swap-space-bytes", "1024", "--kv-cache-mb", "8"]
+    argv = [
+        "serve",
+        "--model",
+        str(tmp_path),
+        "--max-num-batched-tokens",
+        "96",
+        "--no-enable-chunked-prefill",
+        "--preemption-mode",
+        "swap",
+        "--no-enable-prefix-caching",
+        "--streaming-sink-tokens",
+        "4",
+        "--streaming-window-tokens",
+        "64",
+        "--swap-space-bytes",
+        "1024",
+        "--kv-cache-mb",
+        "8",
+    ]
     assert main(argv) == 0
     e = served[0].engine
-    assert (e.scheduler.max_num_batched_tokens, e.scheduler.enable_chunked_prefill, e.scheduler.preemption_mode) \
-        == (96, False, "swap")
-    assert (e.enable_prefix_caching, e.streaming_sink_tokens, e.streaming_window_tokens, e.swap_space_bytes) \
-        == (False, 4, 64, 1024)
+    assert (e.scheduler.max_num_batched_tokens, e.scheduler.enable_chunked_prefill, e.scheduler.preemption_mode) == (
+        96,
+        False,
+        "swap",
+    )
+    assert (e.enable_prefix_caching, e.streaming_sink_tokens, e.streaming_window_tokens, e.swap_space_bytes) == (
+        False,
+        4,
+        64,
+        1024,
+    )
     assert e.kv_cache_bytes == 8 * 2**20 and e.speculative is None
-    assert main(["serve", "--model", str(tmp_path), "--speculative", "ngram", "--speculative-tree-width", "3",
-                 "--num-speculative-tokens", "5", "--speculative-adaptive", "--speculative-ngram-max", "6"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "--model",
+                str(tmp_path),
+                "--speculative",
+                "ngram",
+                "--speculative-tree-width",
+                "3",
+                "--num-speculative-tokens",
+                "5",
+                "--speculative-adaptive",
+                "--speculative-ngram-max",
+                "6",
+            ]
+        )
+        == 0
+    )
     s = served[1].engine.speculative
     assert (s.method, s.tree_width, s.num_speculative_tokens, s.adaptive, s.ngram_max) == ("ngram", 3, 5, True, 6)
 
@@ -71,8 +114,17 @@ def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
     e = served[0].engine
     assert e.scheduler == SchedulerConfig()
     defaults = EngineConfig()
-    for name in ("block_size", "kv_cache_fraction", "swap_space_bytes", "enable_prefix_caching", "max_model_len",
-                 "streaming_sink_tokens", "streaming_window_tokens", "kv_cache_dtype", "num_kv_blocks"):
+    for name in (
+        "block_size",
+        "kv_cache_fraction",
+        "swap_space_bytes",
+        "enable_prefix_caching",
+        "max_model_len",
+        "streaming_sink_tokens",
+        "streaming_window_tokens",
+        "kv_cache_dtype",
+        "num_kv_blocks",
+    ):
         assert getattr(e, name) == getattr(defaults, name), name
 
 

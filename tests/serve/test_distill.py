@@ -26,8 +26,17 @@ def char_model_checkpoint(tmp_path: Path, name: str = "model"):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(PATTERN_TEXT)
     tok = train_char(PATTERN_TEXT)
-    model = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                                    num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128), seed=0)
+    model = build_model(
+        ModelConfig(
+            vocab_size=tok.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+        ),
+        seed=0,
+    )
     save_model(tmp_path / name, model, tokenizer=tok)
     return corpus, tok, model
 
@@ -54,8 +63,24 @@ def test_teacher_continuations_are_the_models_own_greedy_output(tmp_path):
 def test_baton_distill_writes_the_models_token_ids_and_training_reads_them(tmp_path, capsys):
     corpus, tok, model = char_model_checkpoint(tmp_path)
     out = tmp_path / "runs" / "distill.jsonl"
-    assert main(["distill", "--model", str(tmp_path / "model"), "--out", str(out), "--data", str(corpus),
-                 "--samples", "4", "--seq-len", "16"]) == 0
+    assert (
+        main(
+            [
+                "distill",
+                "--model",
+                str(tmp_path / "model"),
+                "--out",
+                str(out),
+                "--data",
+                str(corpus),
+                "--samples",
+                "4",
+                "--seq-len",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert "Wrote 4 continuations" in capsys.readouterr().out
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 4 and not (tmp_path / "runs" / "distill.jsonl.tmp").exists()
@@ -67,7 +92,7 @@ def test_baton_distill_writes_the_models_token_ids_and_training_reads_them(tmp_p
     data = DataConfig(path=str(out), seq_len=8, val_fraction=0, cache_dir=str(tmp_path / "cache"))
     train, _ = build_datasets(data, tok)
     stream = [i for line in lines for i in line["token_ids"] + [tok.eos_token_id]]
-    assert train[:]["input_ids"] == [stream[k * 9:(k + 1) * 9] for k in range(len(stream) // 9)]
+    assert train[:]["input_ids"] == [stream[k * 9 : (k + 1) * 9] for k in range(len(stream) // 9)]
 
     assert main(["distill", "--model", str(tmp_path), "--out", str(out), "--samples", "4"]) == 2
     assert "no tokenizer.json" in capsys.readouterr().err

@@ -25,8 +25,6 @@ def _prompts(seed=0, lengths=LENGTHS):
     return [torch.randint(0, BASE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_matches_hf_generate_with_staggered_arrivals(tmp_path, family):
     hf, ckpt = make_hf_checkpoint(tmp_path, family)
@@ -34,11 +32,18 @@ def test_greedy_matches_hf_generate_with_staggered_arrivals(tmp_path, family):
     expected = []
     for p in prompts:
         ids = torch.tensor([p])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, min_new_tokens=24,
-                          do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
-    engine = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=128, block_size=8,
-                                                          scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        expected.append(out[0, len(p) :].tolist())
+    engine = LLMEngine.from_checkpoint(
+        ckpt, EngineConfig(num_kv_blocks=128, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    )
     assert run_staggered(engine, prompts, GREEDY) == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -46,13 +51,22 @@ def test_greedy_matches_hf_generate_with_staggered_arrivals(tmp_path, family):
 MODES = {
     "default": EngineConfig(num_kv_blocks=128, block_size=8),
     "no-prefix-cache": EngineConfig(num_kv_blocks=128, block_size=8, enable_prefix_caching=False),
-    "no-chunked-prefill": EngineConfig(num_kv_blocks=128, block_size=8,
-                                       scheduler=SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=128)),
-    "tiny-budget-chunks": EngineConfig(num_kv_blocks=128, block_size=4, scheduler=SchedulerConfig(max_num_batched_tokens=7)),
-    "preempt-recompute": EngineConfig(num_kv_blocks=18, block_size=8,
-                                      scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="recompute")),
-    "preempt-swap": EngineConfig(num_kv_blocks=18, block_size=8,
-                                 scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="swap")),
+    "no-chunked-prefill": EngineConfig(
+        num_kv_blocks=128,
+        block_size=8,
+        scheduler=SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=128),
+    ),
+    "tiny-budget-chunks": EngineConfig(
+        num_kv_blocks=128, block_size=4, scheduler=SchedulerConfig(max_num_batched_tokens=7)
+    ),
+    "preempt-recompute": EngineConfig(
+        num_kv_blocks=18,
+        block_size=8,
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="recompute"),
+    ),
+    "preempt-swap": EngineConfig(
+        num_kv_blocks=18, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="swap")
+    ),
 }
 
 

@@ -32,22 +32,29 @@ def _rand(n: int, seed: int) -> list[int]:
 PREFIX = _rand(24, 0)
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # (step it is added at, request id, prompt, params): n > 1, seeded, and a prefix-cached one ("c")
-PLAN = [(0, "a", PREFIX + _rand(5, 1), GREEDY),
-        (0, "b", _rand(13, 2), SamplingParams(temperature=1.0, n=3, max_tokens=12, seed=7, ignore_eos=True)),
-        (1, "bad", _rand(9, 3), SamplingParams(temperature=1.0, n=2, max_tokens=20, seed=3, ignore_eos=True)),
-        (2, "d", _rand(30, 4), GREEDY),
-        (4, "c", PREFIX + _rand(7, 5), GREEDY)]
+PLAN = [
+    (0, "a", PREFIX + _rand(5, 1), GREEDY),
+    (0, "b", _rand(13, 2), SamplingParams(temperature=1.0, n=3, max_tokens=12, seed=7, ignore_eos=True)),
+    (1, "bad", _rand(9, 3), SamplingParams(temperature=1.0, n=2, max_tokens=20, seed=3, ignore_eos=True)),
+    (2, "d", _rand(30, 4), GREEDY),
+    (4, "c", PREFIX + _rand(7, 5), GREEDY),
+]
 CONFIGS = {
     "roomy": EngineConfig(num_kv_blocks=64, block_size=8),
-    "swap": EngineConfig(num_kv_blocks=16, block_size=8,
-                         scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="swap")),
+    "swap": EngineConfig(
+        num_kv_blocks=16, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="swap")
+    ),
 }
 
 
 def pool_whole(engine: LLMEngine) -> bool:
     bm = engine.block_manager
-    return (bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
-            and all(b.ref_count == 0 for b in bm.blocks) and not engine.scheduler.has_work())
+    return (
+        bm.num_free_blocks == bm.num_blocks
+        and len(bm.host_free) == bm.num_host_blocks
+        and all(b.ref_count == 0 for b in bm.blocks)
+        and not engine.scheduler.has_work()
+    )
 
 
 def drive(engine: LLMEngine, plan, per_step=None) -> dict:
@@ -78,21 +85,25 @@ def tokens(out) -> list[list[int]]:
 
 def fail_at(point: str, request_id: str, index: int = 0, after: int = 0):
     """An injector failing one sample of one request once it has `after` output tokens."""
+
     def inject(p: str, seq: Sequence) -> None:
         if p == point and seq.request_id == request_id and seq.index == index and seq.num_output_tokens >= after:
             raise InjectedFault(f"injected fault at {p} for {request_id}")
+
     return inject
 
 
 @pytest.fixture(scope="module")
 def reference(llama_dir):
     """Every request of PLAN but the failing one, on an engine without faults."""
+
     def run(mode: str, plan=PLAN) -> dict:
         engine = LLMEngine.from_checkpoint(llama_dir, CONFIGS[mode])
         finals = drive(engine, [p for p in plan if p[1] != "bad"])
         if mode == "swap":
             assert engine.scheduler.num_preemptions > 0, "the pool was meant to force swapping"
         return {rid: tokens(out) for rid, out in finals.items()}
+
     return run
 
 
@@ -150,8 +161,12 @@ def test_propose_and_verify_faults_with_speculation(llama_dir):
     from baton.serve.speculative import SpeculativeConfig
 
     cfg = EngineConfig(num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", 3, ngram_min=1))
-    plan = [(0, "a", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY), (0, "p", [9, 8, 9, 8, 9, 8], GREEDY),
-            (1, "v", [4, 3, 4, 3, 4, 3, 4], GREEDY), (2, "d", _rand(20, 7), GREEDY)]
+    plan = [
+        (0, "a", [5, 6, 7, 5, 6, 7, 5, 6], GREEDY),
+        (0, "p", [9, 8, 9, 8, 9, 8], GREEDY),
+        (1, "v", [4, 3, 4, 3, 4, 3, 4], GREEDY),
+        (2, "d", _rand(20, 7), GREEDY),
+    ]
     ref = {rid: tokens(o) for rid, o in drive(LLMEngine.from_checkpoint(llama_dir, cfg), plan).items()}
     engine = LLMEngine.from_checkpoint(llama_dir, cfg)
     propose, verify = fail_at("propose", "p", after=2), fail_at("postprocess", "v", after=4)
@@ -167,7 +182,7 @@ def test_unschedulable_request_fails_not_the_engine(llama_dir, monkeypatch):
     engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=4, block_size=8))
     monkeypatch.setattr(engine.scheduler, "check_fits", lambda *a: None)
     engine.add_request("huge", _rand(60, 8), GREEDY)  # 8 blocks of prompt, 4 in the pool
-    out, = engine.step()
+    (out,) = engine.step()
     assert out.finished and "no progress" in out.error and out.outputs[0].finish_reason == "error"
     finals = drive(engine, [(0, "ok", _rand(9, 9), GREEDY)])
     assert finals["ok"].error is None and len(finals["ok"].outputs[0].token_ids) == 16 and pool_whole(engine)
@@ -312,10 +327,11 @@ def test_real_server_keeps_serving_after_request_faults(llama_dir, tmp_path, mon
     """`baton serve` with BATON_FAULT_INJECT: its 2nd call fails in post-processing, its 3rd in the
     forward; both end INTERNAL, health stays SERVING, and the 4th call is the correct greedy output."""
     prompt = "The quick brown fox"
-    (ids, text, _), = offline(llama_dir, [prompt], max_tokens=12, ignore_eos=True)
+    ((ids, text, _),) = offline(llama_dir, [prompt], max_tokens=12, ignore_eos=True)
     monkeypatch.setenv("BATON_FAULT_INJECT", "postprocess:-1$,forward:-2$")  # request ids end in -<call number>
-    server = ServerProcess(tmp_path, "--model", str(llama_dir), "--model-name", "tiny", "--num-kv-blocks", "64",
-                           "--block-size", "8")
+    server = ServerProcess(
+        tmp_path, "--model", str(llama_dir), "--model-name", "tiny", "--num-kv-blocks", "64", "--block-size", "8"
+    )
     try:
         with BatonClient(server.target, timeout=60) as c:
             ask = lambda: c.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True).completions[0]  # noqa: E731

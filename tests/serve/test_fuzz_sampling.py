@@ -32,38 +32,93 @@ I32, I64 = 2**31 - 1, 2**63 - 1
 EXAMPLES = 120  # per API; a call is refused or served in milliseconds, so this stays within seconds
 ORDINARY_TOKENS = 24
 
-EDGE_FLOATS = [0.0, -0.0, 5e-324, 1e-300, 1e-6, 1e-5, 0.5, 1.0, 2.0, 1e300, -1e-300, -1.0, -1e300,
-               math.inf, -math.inf, math.nan, 1.7976931348623157e308]
+EDGE_FLOATS = [
+    0.0,
+    -0.0,
+    5e-324,
+    1e-300,
+    1e-6,
+    1e-5,
+    0.5,
+    1.0,
+    2.0,
+    1e300,
+    -1e-300,
+    -1.0,
+    -1e300,
+    math.inf,
+    -math.inf,
+    math.nan,
+    1.7976931348623157e308,
+]
 floats = st.one_of(st.sampled_from(EDGE_FLOATS), st.floats(allow_nan=True, allow_infinity=True))
 int32s = st.one_of(st.sampled_from([-I32 - 1, -1, 0, 1, 2, 3, 16, 100000, I32]), st.integers(-I32 - 1, I32))
 int64s = st.one_of(st.sampled_from([-I64 - 1, -1, 0, 1, I64]), st.integers(-I64 - 1, I64))
 texts = st.text(max_size=8)
-stops = st.one_of(st.lists(texts, max_size=4), st.lists(st.text(min_size=1, max_size=2), min_size=200, max_size=300),
-                  st.lists(st.text(min_size=5000, max_size=5001), min_size=1, max_size=1))
+stops = st.one_of(
+    st.lists(texts, max_size=4),
+    st.lists(st.text(min_size=1, max_size=2), min_size=200, max_size=300),
+    st.lists(st.text(min_size=5000, max_size=5001), min_size=1, max_size=1),
+)
 
-PROTO_FIELDS = dict(n=int32s, max_tokens=st.one_of(st.integers(1, 12), int32s), temperature=floats, top_k=int32s,
-                    top_p=floats, min_p=floats, repetition_penalty=floats, presence_penalty=floats,
-                    frequency_penalty=floats, seed=int64s, stop=stops, stop_token_ids=st.lists(int32s, max_size=3),
-                    include_stop_str_in_output=st.booleans(), ignore_eos=st.booleans(), logprobs=int32s,
-                    skip_special_tokens=st.booleans())
+PROTO_FIELDS = dict(
+    n=int32s,
+    max_tokens=st.one_of(st.integers(1, 12), int32s),
+    temperature=floats,
+    top_k=int32s,
+    top_p=floats,
+    min_p=floats,
+    repetition_penalty=floats,
+    presence_penalty=floats,
+    frequency_penalty=floats,
+    seed=int64s,
+    stop=stops,
+    stop_token_ids=st.lists(int32s, max_size=3),
+    include_stop_str_in_output=st.booleans(),
+    ignore_eos=st.booleans(),
+    logprobs=int32s,
+    skip_special_tokens=st.booleans(),
+)
 # Mostly-valid draws too, so that accepted calls explore the numeric edges of the sampler itself.
 tiny_or_huge = st.sampled_from([5e-324, 1e-300, 1e-30, 1e-6, 9.99e-6, 1e-5, 1.0, 1e6, 1e300])
-SERVABLE = dict(n=st.integers(1, 4), max_tokens=st.integers(1, 12), temperature=st.one_of(tiny_or_huge, st.just(0.0)),
-                top_k=st.sampled_from([-1, 0, 1, 2, 10**6]), top_p=st.one_of(tiny_or_huge.filter(lambda x: x <= 1)),
-                min_p=st.sampled_from([0.0, 5e-324, 1e-300, 0.5, 1.0]),
-                repetition_penalty=st.one_of(tiny_or_huge), presence_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
-                frequency_penalty=st.sampled_from([-2.0, 0.0, 2.0]), seed=int64s,
-                stop=st.lists(st.text(min_size=1, max_size=4), max_size=3), logprobs=st.sampled_from([0, 1, 20]))
+SERVABLE = dict(
+    n=st.integers(1, 4),
+    max_tokens=st.integers(1, 12),
+    temperature=st.one_of(tiny_or_huge, st.just(0.0)),
+    top_k=st.sampled_from([-1, 0, 1, 2, 10**6]),
+    top_p=st.one_of(tiny_or_huge.filter(lambda x: x <= 1)),
+    min_p=st.sampled_from([0.0, 5e-324, 1e-300, 0.5, 1.0]),
+    repetition_penalty=st.one_of(tiny_or_huge),
+    presence_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    frequency_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    seed=int64s,
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    logprobs=st.sampled_from([0, 1, 20]),
+)
 proto_params = st.one_of(st.fixed_dictionaries({}, optional=PROTO_FIELDS), st.fixed_dictionaries({}, optional=SERVABLE))
 
 # JSON admits more than the proto: ints past int64, floats as strings, wrong types, nulls.
-json_scalars = st.one_of(floats.filter(math.isfinite), st.integers(-2**70, 2**70), st.booleans(), st.none(), texts,
-                         st.sampled_from(["nan", "inf", "-inf", "1e400", "1e-400", "0x10", "", "3"]))
-json_params = st.one_of(st.fixed_dictionaries({}, optional={
-    **{k: st.one_of(v.filter(lambda x: not isinstance(x, float) or math.isfinite(x)), json_scalars)
-       for k, v in PROTO_FIELDS.items()},
-    "stop": st.one_of(stops, json_scalars, st.lists(json_scalars, max_size=3))}),
-    st.fixed_dictionaries({}, optional=SERVABLE))
+json_scalars = st.one_of(
+    floats.filter(math.isfinite),
+    st.integers(-(2**70), 2**70),
+    st.booleans(),
+    st.none(),
+    texts,
+    st.sampled_from(["nan", "inf", "-inf", "1e400", "1e-400", "0x10", "", "3"]),
+)
+json_params = st.one_of(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            **{
+                k: st.one_of(v.filter(lambda x: not isinstance(x, float) or math.isfinite(x)), json_scalars)
+                for k, v in PROTO_FIELDS.items()
+            },
+            "stop": st.one_of(stops, json_scalars, st.lists(json_scalars, max_size=3)),
+        },
+    ),
+    st.fixed_dictionaries({}, optional=SERVABLE),
+)
 
 
 def _json(params: dict) -> bytes:
@@ -73,8 +128,11 @@ def _json(params: dict) -> bytes:
 
 def kserve_request(prompt: str, sampling: bytes, stream: bool):
     req = proto.kserve("ModelInferRequest")(model_name="tiny", id="fuzz")
-    for name, dtype, value in (("text_input", "BYTES", prompt.encode()), ("sampling_parameters", "BYTES", sampling),
-                               ("stream", "BOOL", stream)):
+    for name, dtype, value in (
+        ("text_input", "BYTES", prompt.encode()),
+        ("sampling_parameters", "BYTES", sampling),
+        ("stream", "BOOL", stream),
+    ):
         req.inputs.add(name=name, datatype=dtype, shape=[1])
         req.raw_input_contents.append(bytes([value]) if dtype == "BOOL" else encode_bytes([value]))
     return req
@@ -82,9 +140,23 @@ def kserve_request(prompt: str, sampling: bytes, stream: bool):
 
 @pytest.fixture(scope="module")
 def served(llama_dir, tmp_path_factory):
-    server = ServerProcess(tmp_path_factory.mktemp("fuzz"), "--model", str(llama_dir), "--model-name", "tiny",
-                           "--num-kv-blocks", "96", "--block-size", "8", "--max-output-tokens", "32",
-                           "--max-n", "4", "--max-num-seqs", "16")
+    server = ServerProcess(
+        tmp_path_factory.mktemp("fuzz"),
+        "--model",
+        str(llama_dir),
+        "--model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "96",
+        "--block-size",
+        "8",
+        "--max-output-tokens",
+        "32",
+        "--max-n",
+        "4",
+        "--max-num-seqs",
+        "16",
+    )
     outcomes: dict[str, int] = {}
     ordinary = Ordinary(server.target, llama_dir)
     ordinary.start()
@@ -114,8 +186,11 @@ class Ordinary:
             while not self._stop.is_set():
                 prompt = PROMPTS[i % len(PROMPTS)]
                 try:
-                    text = "".join(comp.text for msg in c.generate(prompt, max_tokens=ORDINARY_TOKENS, temperature=0)
-                                   for comp in msg.completions)
+                    text = "".join(
+                        comp.text
+                        for msg in c.generate(prompt, max_tokens=ORDINARY_TOKENS, temperature=0)
+                        for comp in msg.completions
+                    )
                 except grpc.RpcError as e:
                     self.errors.append(f"{e.code().name}: {e.details()}")
                     continue
@@ -140,8 +215,13 @@ def _outcome(outcomes: dict[str, int], fn) -> None:
     outcomes[code.name] = outcomes.get(code.name, 0) + 1
 
 
-SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @SETTINGS
@@ -167,6 +247,7 @@ def test_kserve_any_sampling_parameters(served, params, prompt, stream):
                     msg = proto.kserve("ModelStreamInferResponse").FromString(resp)
                     if msg.error_message:
                         raise _StreamError(msg.error_message)
+
             try:
                 _outcome(outcomes, run)
             except _StreamError as e:  # a stream reports a refused request in-band, as Triton does

@@ -17,8 +17,9 @@ def _listening(pid: int, port: int) -> set[str]:
     """The addresses a process listens on at `port`, as the kernel reports them (IPv4-mapped ones as IPv4:
     gRPC binds 127.0.0.1 on a dual-stack socket)."""
     conns = psutil.Process(pid).net_connections(kind="tcp")
-    return {c.laddr.ip.removeprefix("::ffff:") for c in conns
-            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {
+        c.laddr.ip.removeprefix("::ffff:") for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    }
 
 
 @pytest.mark.slow

@@ -9,8 +9,15 @@ from baton.serve.model_runner import DECODE_ROWS, ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
-CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
+CFG = ModelConfig(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
@@ -20,7 +27,9 @@ def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
     lens = {"a": 10, "b": 13, "c": 20}
     seqs = {}
     for i, (name, n) in enumerate(lens.items()):
-        seqs[name] = Sequence(i, name, 0, torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist(), SamplingParams())
+        seqs[name] = Sequence(
+            i, name, 0, torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist(), SamplingParams()
+        )
     seqs["a"].block_table, seqs["b"].block_table, seqs["c"].block_table = [0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11]
 
     def step(plan):

@@ -10,11 +10,13 @@ import pytest
 
 
 def test_import_from_the_package_is_lazy():
-    code = ("import sys, baton.serve; assert 'torch' not in sys.modules, 'import baton.serve loaded torch'\n"
-            "from baton.serve import LLM, SamplingParams\n"
-            "from baton.serve.llm import LLM as L; from baton.serve.sampling_params import SamplingParams as S\n"
-            "assert (LLM, SamplingParams) == (L, S)\n"
-            "try:\n    from baton.serve import Nothing\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit(1)\n")
+    code = (
+        "import sys, baton.serve; assert 'torch' not in sys.modules, 'import baton.serve loaded torch'\n"
+        "from baton.serve import LLM, SamplingParams\n"
+        "from baton.serve.llm import LLM as L; from baton.serve.sampling_params import SamplingParams as S\n"
+        "assert (LLM, SamplingParams) == (L, S)\n"
+        "try:\n    from baton.serve import Nothing\nexcept ImportError:\n    pass\nelse:\n    raise SystemExit(1)\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -33,8 +33,14 @@ def _calib(corpus, tmp_path, n=16):
     return CalibrationConfig(data, num_samples=n)
 
 
-METHODS = [QuantConfig("rtn", 8), QuantConfig("rtn", 4, 32), QuantConfig("gptq", 4, 64, act_order=True),
-           QuantConfig("awq", 4, 128), QuantConfig("smoothquant", 8), QuantConfig("fp8", 8)]
+METHODS = [
+    QuantConfig("rtn", 8),
+    QuantConfig("rtn", 4, 32),
+    QuantConfig("gptq", 4, 64, act_order=True),
+    QuantConfig("awq", 4, 128),
+    QuantConfig("smoothquant", 8),
+    QuantConfig("fp8", 8),
+]
 
 
 @pytest.mark.parametrize("qcfg", METHODS, ids=lambda q: f"{q.method}{q.bits}")
@@ -44,7 +50,9 @@ def test_save_load_same_logits_and_generate_through_llm(llama_dir, tmp_path, qcf
     quantize_model(model, qcfg, calib)
     out = save_quantized(tmp_path / "q", model, qcfg, tokenizer_dir=llama_dir)
     raw = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert raw["quant_method"] == "baton" and raw["format"] == qcfg.format and raw["modules_to_not_convert"] == ["lm_head"]
+    assert (
+        raw["quant_method"] == "baton" and raw["format"] == qcfg.format and raw["modules_to_not_convert"] == ["lm_head"]
+    )
     loaded = load_model(out).model
     set_compute_dtype(loaded, None)  # exact activations (on CPU int8 defaults to bf16 ones, tested below)
     ids = torch.randint(0, 320, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -76,7 +84,9 @@ def test_loaded_int8_runs_the_bf16_cpu_fast_path(llama_dir, tmp_path):
 def test_quantized_checkpoint_is_smaller(llama_dir, tmp_path):
     out = quantize_checkpoint(llama_dir, tmp_path / "q", QuantConfig("rtn", 4, 32))
     size = lambda d: (d / "model.safetensors").stat().st_size
-    projections = sum(m.weight.numel() * 4 for n, m in load_checkpoint(llama_dir).model.named_modules() if n.endswith("_proj"))
+    projections = sum(
+        m.weight.numel() * 4 for n, m in load_checkpoint(llama_dir).model.named_modules() if n.endswith("_proj")
+    )
     assert size(out) < size(llama_dir) - 0.75 * projections  # int4 + group scales: ~1/5 of fp32
 
 
@@ -116,11 +126,14 @@ def test_calibration_set_too_small(llama_dir, corpus, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--method", "nf4"], "invalid choice: 'nf4'"),
-    (["--method", "gptq", "--group-size", "100"], "unsupported group size 100"),
-    (["--method", "gptq", "--data", "/no/such/file.txt"], "no such file or directory"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--method", "nf4"], "invalid choice: 'nf4'"),
+        (["--method", "gptq", "--group-size", "100"], "unsupported group size 100"),
+        (["--method", "gptq", "--data", "/no/such/file.txt"], "no such file or directory"),
+    ],
+)
 def test_cli_quantize_bad_input(llama_dir, tmp_path, capsys, argv, message):
     try:
         rc = main(["quantize", str(llama_dir), str(tmp_path / "q"), *argv])
@@ -137,10 +150,41 @@ def test_cli_quantize_missing_checkpoint(tmp_path, capsys):
 
 def test_cli_quantize_then_eval(llama_dir, corpus, tmp_path, capsys):
     common = ["--data", str(corpus), "--seq-len", "32", "--val-fraction", "0.1"]
-    assert main(["quantize", str(llama_dir), str(tmp_path / "q"), "--method", "gptq", "--group-size", "32",
-                 "--calib-samples", "16", *common]) == 0
-    assert main(["eval", str(tmp_path / "q"), "--reference", str(llama_dir), "--window", "32", "--stride", "16",
-                 "--json", str(tmp_path / "r.json"), *common]) == 0
+    assert (
+        main(
+            [
+                "quantize",
+                str(llama_dir),
+                str(tmp_path / "q"),
+                "--method",
+                "gptq",
+                "--group-size",
+                "32",
+                "--calib-samples",
+                "16",
+                *common,
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "q"),
+                "--reference",
+                str(llama_dir),
+                "--window",
+                "32",
+                "--stride",
+                "16",
+                "--json",
+                str(tmp_path / "r.json"),
+                *common,
+            ]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["perplexity"] > 1 and 0 <= result["top1_agreement"] <= 1 and result["reference_perplexity"] > 1
 

@@ -11,8 +11,6 @@ from baton.serve.sampling_params import SamplingParams
 from .conftest import BASE, run_staggered
 
 
-
-
 @pytest.mark.parametrize("kind,rel", [("int8", 0.5 / 127), ("fp8", 2**-4)])
 def test_packed_round_trip(kind, rel):
     x = torch.randn(5, 3, 16) * torch.logspace(-2, 2, 5)[:, None, None]  # per-token magnitudes differ widely
@@ -61,8 +59,24 @@ def test_generate_cli_with_a_quantized_kv_cache(llama_dir, capsys):
     from baton.common.cli import main
     from baton.serve.llm import LLM
 
-    assert main(["generate", "--model", str(llama_dir), "--prompt", "hello world", "--max-tokens", "12",
-                 "--kv-cache-mb", "4", "--kv-cache-dtype", "int8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(llama_dir),
+                "--prompt",
+                "hello world",
+                "--max-tokens",
+                "12",
+                "--kv-cache-mb",
+                "4",
+                "--kv-cache-dtype",
+                "int8",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     llm = LLM(llama_dir, EngineConfig(kv_cache_bytes=4 * 2**20, kv_cache_dtype="int8"))
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.uint8

@@ -54,7 +54,9 @@ def test_int4_rtn_matches_definition_and_reference_matmul(k, g):
 def test_int8_and_w8a16_matmul():
     lin = _linear(80, 40)
     q = rtn_linear(lin, "int8")
-    torch.testing.assert_close(q.dequantize().double(), int8_definition(lin.weight.detach().double()), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        q.dequantize().double(), int8_definition(lin.weight.detach().double()), rtol=1e-6, atol=1e-7
+    )
     x = torch.randn(3, 80)
     torch.testing.assert_close(q(x), x @ q.dequantize().T + lin.bias.detach(), rtol=1e-5, atol=1e-5)
 

@@ -37,7 +37,9 @@ def _gptq_module(lin, x, bits, g, act_order):
     return int8_module(lin, levels, scales) if bits == 8 else int4_module(lin, levels, scales, zeros, g)
 
 
-@pytest.mark.parametrize("bits,g,act_order", [(4, 32, False), (4, 128, False), (4, 32, True), (8, 128, False), (8, 128, True)])
+@pytest.mark.parametrize(
+    "bits,g,act_order", [(4, 32, False), (4, 128, False), (4, 32, True), (8, 128, False), (8, 128, True)]
+)
 def test_gptq_beats_round_to_nearest_on_the_layer_objective(bits, g, act_order):
     torch.manual_seed(0)
     lin = nn.Linear(128, 64, bias=False)
@@ -86,8 +88,17 @@ def test_awq_clip_search_is_never_worse_than_no_clip():
 
 
 def _tiny(seed=0, kv=2, **extra):
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=kv, max_position_embeddings=64, initializer_range=0.1, **extra)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+        **extra,
+    )
     model = build_model(cfg, seed=seed).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -124,17 +135,29 @@ def test_smoothquant_reduces_w8a8_error_on_outlier_activations():
     assert err_smooth < 0.5 * err_plain
 
 
-@pytest.mark.parametrize("qcfg", [QuantConfig("gptq", 4, 32), QuantConfig("gptq", 8, act_order=True),
-                                  QuantConfig("awq", 4, 32), QuantConfig("smoothquant", 8, alpha=None),
-                                  QuantConfig("rtn", 4, 32), QuantConfig("fp8", 8)], ids=lambda q: f"{q.method}{q.bits}")
+@pytest.mark.parametrize(
+    "qcfg",
+    [
+        QuantConfig("gptq", 4, 32),
+        QuantConfig("gptq", 8, act_order=True),
+        QuantConfig("awq", 4, 32),
+        QuantConfig("smoothquant", 8, alpha=None),
+        QuantConfig("rtn", 4, 32),
+        QuantConfig("fp8", 8),
+    ],
+    ids=lambda q: f"{q.method}{q.bits}",
+)
 def test_quantize_model_swaps_every_projection_and_stays_close(qcfg):
     model = _tiny()
     ref = copy.deepcopy(model)
     tokens = torch.randint(0, 128, (16, 32), generator=torch.Generator().manual_seed(5))
     quantize_model(model, qcfg, tokens)
     kinds = {type(m).__name__ for n, m in model.named_modules() if n.endswith("_proj")}
-    assert kinds == {{"int4": "Int4WeightLinear", "int8": "Int8WeightLinear", "fp8": "FP8WeightLinear",
-                      "w8a8": "W8A8Linear"}[qcfg.format]}
+    assert kinds == {
+        {"int4": "Int4WeightLinear", "int8": "Int8WeightLinear", "fp8": "FP8WeightLinear", "w8a8": "W8A8Linear"}[
+            qcfg.format
+        ]
+    }
     assert isinstance(model.lm_head, nn.Linear)
     ids = tokens[:2]
     p, q = torch.softmax(ref(ids), -1), torch.softmax(model(ids), -1)

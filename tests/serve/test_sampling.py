@@ -45,8 +45,9 @@ def test_penalties_against_formulas():
     logits = torch.tensor([2.0, -1.0, 0.5, 1.0])
     out = apply_penalties(logits.clone(), _seq(SamplingParams(repetition_penalty=2.0), prompt=[0], output=[1]))
     assert out.tolist() == [1.0, -2.0, 0.5, 1.0]
-    out = apply_penalties(logits.clone(), _seq(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
-                                               prompt=[3], output=[2, 2, 0]))
+    out = apply_penalties(
+        logits.clone(), _seq(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt=[3], output=[2, 2, 0])
+    )
     assert out.tolist() == [2.0 - 0.5 - 0.25, -1.0, 0.5 - 0.5 - 0.5, 1.0]  # prompt token 3 untouched
 
 
@@ -80,14 +81,22 @@ def _generate(engine, requests):
 def test_seeded_sampling_is_reproducible_and_independent_of_batch(ckpt):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=30, seed=1234, ignore_eos=True)
     prompt = list(range(5, 25))
-    alone = _generate(LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)), [("a", prompt, params)])
-    others = [(f"o{i}", list(range(i, i + 7 * i + 3)), SamplingParams(temperature=1.0, max_tokens=20 + i, seed=i))
-              for i in range(1, 6)]
-    crowded = _generate(LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
-                        others[:3] + [("a", prompt, params)] + others[3:])
+    alone = _generate(
+        LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)), [("a", prompt, params)]
+    )
+    others = [
+        (f"o{i}", list(range(i, i + 7 * i + 3)), SamplingParams(temperature=1.0, max_tokens=20 + i, seed=i))
+        for i in range(1, 6)
+    ]
+    crowded = _generate(
+        LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
+        others[:3] + [("a", prompt, params)] + others[3:],
+    )
     assert alone["a"] == crowded["a"]
-    different = _generate(LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
-                          [("a", prompt, SamplingParams(**{**params.__dict__, "seed": 99}))])
+    different = _generate(
+        LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
+        [("a", prompt, SamplingParams(**{**params.__dict__, "seed": 99}))],
+    )
     assert different["a"] != alone["a"]
 
 
@@ -98,9 +107,13 @@ def test_n_samples_share_prompt_blocks_copy_on_write(ckpt):
     engine = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8))
     forked = _generate(engine, [("n3", prompt, params)])["n3"]
     assert engine.block_manager.num_free_blocks == 64
-    singles = [_generate(LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
-                         [("s", prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=50 + i, ignore_eos=True))])["s"][0]
-               for i in range(3)]
+    singles = [
+        _generate(
+            LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8)),
+            [("s", prompt, SamplingParams(temperature=1.0, max_tokens=16, seed=50 + i, ignore_eos=True))],
+        )["s"][0]
+        for i in range(3)
+    ]
     assert forked == singles
     assert len({tuple(s) for s in forked}) == 3
 
@@ -115,18 +128,21 @@ def test_copy_on_write_happens_and_shares_blocks(ckpt):
     assert engine.block_manager.num_used_blocks == 3 + 3
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ([], SamplingParams(), "prompt is empty"),
-    (list(range(300)), SamplingParams(), "prompt has 300 tokens; the model's context is 256"),
-    ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
-    ([1, 2], SamplingParams(temperature=-0.1), "temperature must be >= 0"),
-    ([1, 2], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    ([1, 2], SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    ([1, 2], SamplingParams(stop_token_ids=[BASE["vocab_size"]]), "stop_token_ids contains 320"),
-    ([1, 999], SamplingParams(), "prompt token ids must be integers"),
-    ([1, 2], SamplingParams(n=0), "n must be an integer >= 1"),
-    ([1, 2], SamplingParams(logprobs=50), "logprobs must be in 0..20"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ([], SamplingParams(), "prompt is empty"),
+        (list(range(300)), SamplingParams(), "prompt has 300 tokens; the model's context is 256"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be >= 1"),
+        ([1, 2], SamplingParams(temperature=-0.1), "temperature must be >= 0"),
+        ([1, 2], SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        ([1, 2], SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        ([1, 2], SamplingParams(stop_token_ids=[BASE["vocab_size"]]), "stop_token_ids contains 320"),
+        ([1, 999], SamplingParams(), "prompt token ids must be integers"),
+        ([1, 2], SamplingParams(n=0), "n must be an integer >= 1"),
+        ([1, 2], SamplingParams(logprobs=50), "logprobs must be in 0..20"),
+    ],
+)
 def test_bad_requests_fail_before_scheduling(ckpt, prompt, params, message):
     engine = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=64, block_size=8))
     with pytest.raises(ValueError, match=message):

@@ -23,8 +23,32 @@ from baton.serve.speculative import SpeculativeConfig
 
 I32, I64 = 2**31 - 1, 2**63 - 1
 VOCAB = 64
-EXTREMES = [0, 0.0, -0.0, 1, 1e-300, 5e-324, 1e300, 1.7976931348623157e308, math.nan, math.inf, -math.inf, -1,
-            -1e-300, -1e300, 0.5, 1.5, 2, -I64 - 1, I64, 2**64, 10**400, True, None, "1"]
+EXTREMES = [
+    0,
+    0.0,
+    -0.0,
+    1,
+    1e-300,
+    5e-324,
+    1e300,
+    1.7976931348623157e308,
+    math.nan,
+    math.inf,
+    -math.inf,
+    -1,
+    -1e-300,
+    -1e300,
+    0.5,
+    1.5,
+    2,
+    -I64 - 1,
+    I64,
+    2**64,
+    10**400,
+    True,
+    None,
+    "1",
+]
 
 
 def _finite(v) -> bool:
@@ -103,10 +127,22 @@ def test_every_extreme_is_refused_by_name_or_samples_validly(field):
     assert admitted and refused
 
 
-@pytest.mark.parametrize("values", [dict(temperature=1e-300, top_p=5e-324, min_p=5e-324, repetition_penalty=1e300),
-                                    dict(temperature=1e300, top_k=I32, presence_penalty=-2, frequency_penalty=2,
-                                         repetition_penalty=5e-324, logprobs=20, seed=-I64 - 1),
-                                    dict(temperature=1e-5, top_p=1e-300, min_p=1.0, seed=I64, logprobs=0)])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(temperature=1e-300, top_p=5e-324, min_p=5e-324, repetition_penalty=1e300),
+        dict(
+            temperature=1e300,
+            top_k=I32,
+            presence_penalty=-2,
+            frequency_penalty=2,
+            repetition_penalty=5e-324,
+            logprobs=20,
+            seed=-I64 - 1,
+        ),
+        dict(temperature=1e-5, top_p=1e-300, min_p=1.0, seed=I64, logprobs=0),
+    ],
+)
 def test_extremes_combined(values):
     params = SamplingParams(**values)
     params.validate(VOCAB)
@@ -164,8 +200,16 @@ def test_int64_edge_seeds_are_reproducible(seed):
 @pytest.fixture(scope="module")
 def draft_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("seeds")
-    cfg = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
-               num_key_value_heads=1, initializer_range=0.1, max_position_embeddings=128)
+    cfg = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.1,
+        max_position_embeddings=128,
+    )
     save_model(d / "target", build_model(ModelConfig(**cfg), seed=0))
     save_model(d / "draft", build_model(ModelConfig(**cfg), seed=1))
     return d
@@ -177,10 +221,12 @@ def test_draft_speculation_with_int64_edge_seeds(draft_models, seed):
     spec = SpeculativeConfig("draft", 3, draft_model=str(draft_models / "draft"))
 
     def run() -> list[list[int]]:
-        engine = LLMEngine.from_checkpoint(draft_models / "target",
-                                           EngineConfig(num_kv_blocks=32, block_size=8, speculative=spec))
-        engine.add_request("r", [1, 2, 3, 4], SamplingParams(temperature=1.0, n=2, max_tokens=12, seed=seed,
-                                                             ignore_eos=True))
+        engine = LLMEngine.from_checkpoint(
+            draft_models / "target", EngineConfig(num_kv_blocks=32, block_size=8, speculative=spec)
+        )
+        engine.add_request(
+            "r", [1, 2, 3, 4], SamplingParams(temperature=1.0, n=2, max_tokens=12, seed=seed, ignore_eos=True)
+        )
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:

@@ -74,7 +74,7 @@ def test_sampling_options_pass_through(client):
     at = free.index(stop_id)  # greedy: the same tokens, until the first stop id (which is kept)
     stopped = client.complete("The quick", max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[stop_id])
     assert stopped.completions[0].finish_reason == "stop"
-    assert list(stopped.completions[0].token_ids) == free[:at + 1]
+    assert list(stopped.completions[0].token_ids) == free[: at + 1]
 
 
 def test_tokenize_detokenize_and_info(llama_dir, client):
@@ -101,7 +101,9 @@ def test_cancel_and_deadline_abort_and_free_kv(client):
     list(client.generate("The quick brown fox", max_tokens=230, temperature=0, ignore_eos=True))
     timeout = (time.monotonic() - t0) / 4
     with pytest.raises(grpc.RpcError) as e:
-        for _ in client.generate("The quick brown fox", max_tokens=230, temperature=0, ignore_eos=True, timeout=timeout):
+        for _ in client.generate(
+            "The quick brown fox", max_tokens=230, temperature=0, ignore_eos=True, timeout=timeout
+        ):
             pass
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     info = wait_idle(client)
@@ -135,15 +137,24 @@ def test_metrics_add_up(server, client):
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.server.metrics_port}/metrics", timeout=10).read().decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     api = "baton.serve.v1.BatonService/Generate"
-    req = {(s.labels["api"], s.labels["outcome"]): s.value for s in fams["baton_requests"].samples
-           if s.name == "baton_requests_total"}
+    req = {
+        (s.labels["api"], s.labels["outcome"]): s.value
+        for s in fams["baton_requests"].samples
+        if s.name == "baton_requests_total"
+    }
     assert req[(api, "ok")] >= 2 and req[(api, "invalid_argument")] >= 1
     ttft = next(s.value for s in fams["baton_time_to_first_token_seconds"].samples if s.name.endswith("_count"))
     assert ttft >= req[(api, "ok")]
     kv = {s.labels["state"]: s.value for s in fams["baton_kv_blocks"].samples}
     assert kv["used"] + kv["free"] == 64
-    for name in ("baton_inter_token_latency_seconds", "baton_queued_calls", "baton_running_batch_size",
-                 "baton_prefix_cache_hit_rate", "baton_preemptions", "baton_generation_tokens_per_second"):
+    for name in (
+        "baton_inter_token_latency_seconds",
+        "baton_queued_calls",
+        "baton_running_batch_size",
+        "baton_prefix_cache_hit_rate",
+        "baton_preemptions",
+        "baton_generation_tokens_per_second",
+    ):
         assert name in fams, name
     assert next(s.value for s in fams["baton_generation_tokens"].samples) > 0
 
@@ -205,13 +216,17 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
                 assert [t for m in msgs for t in m.completions[0].token_ids] == ids
                 assert "".join(m.completions[0].text for m in msgs) == text
             info = c.server_info()
-            text = urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
+            text = (
+                urllib.request.urlopen(f"http://127.0.0.1:{s.server.metrics_port}/metrics", timeout=10).read().decode()
+            )
     finally:
         s.stop()
     # The same requests, one at a time, through an offline engine with the same proposer: the
     # server reports exactly its proposal and acceptance counts.
-    engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(
-        num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3)))
+    engine = LLMEngine.from_checkpoint(
+        llama_dir,
+        EngineConfig(num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3)),
+    )
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
         while engine.has_unfinished_requests():

@@ -42,11 +42,21 @@ def gen(**kw) -> bytes:
     return generate_request(prompt, **kw).SerializeToString()
 
 
-def kserve_bytes(text: bytes | None = b"The fox", sampling: bytes | None = b"{}", stream: bool | None = None,
-                 model: str = "tiny", version: str = "", text_dtype: str = "BYTES", raw: bytes | None = None) -> bytes:
+def kserve_bytes(
+    text: bytes | None = b"The fox",
+    sampling: bytes | None = b"{}",
+    stream: bool | None = None,
+    model: str = "tiny",
+    version: str = "",
+    text_dtype: str = "BYTES",
+    raw: bytes | None = None,
+) -> bytes:
     req = proto.kserve("ModelInferRequest")(model_name=model, model_version=version, id="r")
-    for name, dtype, value in (("text_input", text_dtype, text), ("sampling_parameters", "BYTES", sampling),
-                               ("stream", "BOOL", stream)):
+    for name, dtype, value in (
+        ("text_input", text_dtype, text),
+        ("sampling_parameters", "BYTES", sampling),
+        ("stream", "BOOL", stream),
+    ):
         if value is not None:
             req.inputs.add(name=name, datatype=dtype, shape=[1])
             req.raw_input_contents.append(bytes([value]) if dtype == "BOOL" else encode_bytes([value]))
@@ -134,8 +144,11 @@ def test_stream_errors_stay_on_their_request(server):
     client.start_stream(callback=lambda result, error: results.put((result, error)))
 
     def inputs(sampling: dict):
-        ins = [tc.InferInput("text_input", [1], "BYTES"), tc.InferInput("sampling_parameters", [1], "BYTES"),
-               tc.InferInput("stream", [1], "BOOL")]
+        ins = [
+            tc.InferInput("text_input", [1], "BYTES"),
+            tc.InferInput("sampling_parameters", [1], "BYTES"),
+            tc.InferInput("stream", [1], "BOOL"),
+        ]
         ins[0].set_data_from_numpy(np.array([b"The quick"], dtype=object))
         ins[1].set_data_from_numpy(np.array([json.dumps(sampling).encode()], dtype=object))
         ins[2].set_data_from_numpy(np.array([True]))
@@ -145,8 +158,9 @@ def test_stream_errors_stay_on_their_request(server):
         client.async_stream_infer("tiny", inputs({"top_p": 7}), request_id="bad")
         result, error = results.get(timeout=30)
         assert result is None and "top_p" in error.message() and "'bad'" in error.message()
-        client.async_stream_infer("tiny", inputs({"temperature": 0, "max_tokens": 4}), request_id="good",
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(
+            "tiny", inputs({"temperature": 0, "max_tokens": 4}), request_id="good", enable_empty_final_response=True
+        )
         pieces, ids = [], set()
         while True:
             result, error = results.get(timeout=30)

@@ -31,9 +31,23 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    s = ServerProcess(tmp_path_factory.mktemp("e2e"), "--model", str(llama_dir), "--model-name", "tiny",
-                      "--num-kv-blocks", "160", "--block-size", "8", "--max-num-seqs", "48",
-                      "--max-concurrent", "48", "--max-queued", "200")
+    s = ServerProcess(
+        tmp_path_factory.mktemp("e2e"),
+        "--model",
+        str(llama_dir),
+        "--model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "160",
+        "--block-size",
+        "8",
+        "--max-num-seqs",
+        "48",
+        "--max-concurrent",
+        "48",
+        "--max-queued",
+        "200",
+    )
     yield s
     assert s.terminate() == 0, s.log()
 
@@ -44,12 +58,16 @@ def reference(llama_dir):
 
 
 def triton_inputs(prompt: str, stream: bool, exclude_input: bool | None = None):
-    ins = [tc.InferInput("text_input", [1], "BYTES"), tc.InferInput("stream", [1], "BOOL"),
-           tc.InferInput("sampling_parameters", [1], "BYTES")]
+    ins = [
+        tc.InferInput("text_input", [1], "BYTES"),
+        tc.InferInput("stream", [1], "BOOL"),
+        tc.InferInput("sampling_parameters", [1], "BYTES"),
+    ]
     ins[0].set_data_from_numpy(np.array([prompt.encode()], dtype=object))
     ins[1].set_data_from_numpy(np.array([stream]))
-    ins[2].set_data_from_numpy(np.array([json.dumps({"temperature": "0", "max_tokens": str(MAX_TOKENS)}).encode()],
-                                        dtype=object))
+    ins[2].set_data_from_numpy(
+        np.array([json.dumps({"temperature": "0", "max_tokens": str(MAX_TOKENS)}).encode()], dtype=object)
+    )
     if exclude_input is not None:
         ins.append(tc.InferInput("exclude_input_in_output", [1], "BOOL"))
         ins[-1].set_data_from_numpy(np.array([exclude_input]))
@@ -78,8 +96,12 @@ def test_tritonclient_stream_and_infer_match_offline(server, reference):
         client.start_stream(callback=lambda result, error: results.put((result, error)))
         for empty_final in (True, False):
             for prompt in PROMPTS[3:6]:
-                client.async_stream_infer("tiny", triton_inputs(prompt, stream=True, exclude_input=True),
-                                          request_id=prompt, enable_empty_final_response=empty_final)
+                client.async_stream_infer(
+                    "tiny",
+                    triton_inputs(prompt, stream=True, exclude_input=True),
+                    request_id=prompt,
+                    enable_empty_final_response=empty_final,
+                )
                 pieces, final = [], False
                 while not final:
                     result, error = results.get(timeout=60)
@@ -100,8 +122,12 @@ def test_health_and_reflection(server):
             assert c.health(service) == "SERVING"
     with grpc.insecure_channel(server.target) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
-        assert set(db.get_services()) == {"baton.serve.v1.BatonService", "inference.GRPCInferenceService",
-                                          "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"}
+        assert set(db.get_services()) == {
+            "baton.serve.v1.BatonService",
+            "inference.GRPCInferenceService",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
         pool = DescriptorPool(db)
         fields = {f.name: f.number for f in pool.FindMessageTypeByName("inference.ModelInferRequest").fields}
         assert fields["raw_input_contents"] == 7
@@ -150,7 +176,7 @@ def test_load_with_cancellations(server, reference):
     for prompt, ids, _ in done:
         assert ids == reference[prompt][0], prompt
     for prompt, ids, _ in left:
-        assert ids and ids[:MAX_TOKENS] == reference[prompt][0][:len(ids)], prompt  # greedy: same prefix
+        assert ids and ids[:MAX_TOKENS] == reference[prompt][0][: len(ids)], prompt  # greedy: same prefix
     with BatonClient(server.target, timeout=30) as c:
         deadline = time.monotonic() + 10
         while (info := c.server_info()).engine_requests and time.monotonic() < deadline:
@@ -158,8 +184,10 @@ def test_load_with_cancellations(server, reference):
         assert (info.engine_requests, info.active_calls, info.queued_calls) == (0, 0, 0)
         assert info.kv_blocks_free == info.kv_blocks_total == 160
         assert c.health() == "SERVING"
-        assert list(c.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).completions[0].token_ids) \
+        assert (
+            list(c.complete(PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0).completions[0].token_ids)
             == reference[PROMPTS[0]][0]
+        )
     # Every call is counted once. A stream the client left may still count as "ok": the server can
     # have sent its last message before the cancellation reached it.
     api = "baton.serve.v1.BatonService/Generate"

@@ -25,8 +25,12 @@ I64 = 2**63 - 1
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    s = ServerThread(llama_dir, limits=Limits(max_output_tokens=32, max_n=4, max_stop_strings=8,
-                                              max_stop_string_chars=32, max_stop_token_ids=8))
+    s = ServerThread(
+        llama_dir,
+        limits=Limits(
+            max_output_tokens=32, max_n=4, max_stop_strings=8, max_stop_string_chars=32, max_stop_token_ids=8
+        ),
+    )
     yield s
     s.stop()
 
@@ -93,7 +97,7 @@ REFUSED = {  # sampling_parameters JSON -> words the INVALID_ARGUMENT message mu
     "a 1000-character stop string": (js(stop=["x" * 1000]), "--max-stop-chars"),
     "100 stop token ids": (js(stop_token_ids=list(range(100))), "--max-stop-token-ids"),
     "seed 2**63": (js(seed=2**63), "seed must be in the int64 range"),
-    "seed -2**63-1": (js(seed=-2**63 - 1), "seed must be in the int64 range"),
+    "seed -2**63-1": (js(seed=-(2**63) - 1), "seed must be in the int64 range"),
     "seed 1e30 as a string": (js(seed="1" + "0" * 30), "seed must be in the int64 range"),
     "a 5000-digit integer": ('{"seed": ' + "9" * 5000 + "}", "sampling_parameters is not valid JSON"),
 }
@@ -121,15 +125,18 @@ def test_kserve_bounds_are_refused_by_name(server, greedy, case):
     still_serving(server, greedy)
 
 
-@pytest.mark.parametrize("sampling, words", [
-    (dict(temperature=float("nan")), "temperature must be a finite number"),
-    (dict(min_p=float("inf")), "min_p must be a finite number"),
-    (dict(n=100000, temperature=1.0), "--max-n"),
-    (dict(stop=["x"] * 1000), "--max-stop-strings"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(top_k=-2), "top_k"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "sampling, words",
+    [
+        (dict(temperature=float("nan")), "temperature must be a finite number"),
+        (dict(min_p=float("inf")), "min_p must be a finite number"),
+        (dict(n=100000, temperature=1.0), "--max-n"),
+        (dict(stop=["x"] * 1000), "--max-stop-strings"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    ],
+)
 def test_baton_bounds_are_refused_by_name(server, greedy, sampling, words):
     with BatonClient(server.target, timeout=30) as c:
         with pytest.raises(grpc.RpcError) as e:
@@ -143,8 +150,13 @@ def test_baton_extremes_are_served(server, greedy):
         for sampling in (dict(temperature=1e-300), dict(temperature=1.0, top_p=5e-324)):
             assert c.complete(PROMPT, max_tokens=TOKENS, **sampling).completions[0].text == greedy
         for seed in (I64, -I64 - 1):
-            runs = [[list(x.token_ids) for x in c.complete(PROMPT, max_tokens=TOKENS, temperature=1.0, seed=seed,
-                                                          n=2).completions] for _ in range(2)]
+            runs = [
+                [
+                    list(x.token_ids)
+                    for x in c.complete(PROMPT, max_tokens=TOKENS, temperature=1.0, seed=seed, n=2).completions
+                ]
+                for _ in range(2)
+            ]
             assert runs[0] == runs[1] and len(runs[0]) == 2
         with pytest.raises(ValueError):  # past int64 the proto itself refuses, client-side
             generate_request(PROMPT, seed=2**63)
@@ -156,8 +168,21 @@ def test_baton_extremes_are_served(server, greedy):
 def test_baton_serve_flags_set_the_bounds(monkeypatch, llama_dir):
     configs = []
     monkeypatch.setattr(server_module, "run", lambda config: configs.append(config) or 0)
-    args = build_parser().parse_args(["serve", "--model", str(llama_dir), "--max-n", "2", "--max-stop-strings", "1",
-                                      "--max-stop-chars", "3", "--max-stop-token-ids", "4"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--model",
+            str(llama_dir),
+            "--max-n",
+            "2",
+            "--max-stop-strings",
+            "1",
+            "--max-stop-chars",
+            "3",
+            "--max-stop-token-ids",
+            "4",
+        ]
+    )
     assert args.func(args) == 0
     args = build_parser().parse_args(["serve", "--model", str(llama_dir)])
     args.func(args)

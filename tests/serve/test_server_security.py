@@ -65,10 +65,15 @@ def test_baton_query_cli(server, tls, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     common = [*BATON, "query", "--target", server.target, "--ca", str(tls["ca"])]
-    ok = subprocess.run([*common, "--auth-token-file", str(token_file), "The fox", "--max-tokens", "4"],
-                        capture_output=True, text=True, timeout=60)
+    ok = subprocess.run(
+        [*common, "--auth-token-file", str(token_file), "The fox", "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert ok.returncode == 0, ok.stderr
     assert re.search(r"\d+ prompt \+ [1-4] generated tokens", ok.stderr), ok.stderr
-    denied = subprocess.run([*common, "The fox"], capture_output=True, text=True, timeout=60,
-                            env={"PATH": "/usr/bin:/bin"})
+    denied = subprocess.run(
+        [*common, "The fox"], capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"}
+    )
     assert denied.returncode == 1 and "UNAUTHENTICATED" in denied.stderr

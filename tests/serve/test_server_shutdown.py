@@ -25,10 +25,29 @@ def test_sigterm_drains_in_flight_streams(llama_dir, tmp_path):
     (tmp_path / "token").write_text(TOKEN)
     prompts = PROMPTS[:6]
     reference = offline(llama_dir, prompts, MAX_TOKENS, ignore_eos=True)
-    server = ServerProcess(tmp_path, "--model", str(llama_dir), "--model-name", "tiny", "--num-kv-blocks", "128",
-                           "--block-size", "8", "--max-concurrent", "2", "--max-queued", "8", "--drain-timeout", "60",
-                           "--tls-cert", str(tls["cert"]), "--tls-key", str(tls["key"]),
-                           "--auth-token-file", str(tmp_path / "token"))
+    server = ServerProcess(
+        tmp_path,
+        "--model",
+        str(llama_dir),
+        "--model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "8",
+        "--max-concurrent",
+        "2",
+        "--max-queued",
+        "8",
+        "--drain-timeout",
+        "60",
+        "--tls-cert",
+        str(tls["cert"]),
+        "--tls-key",
+        str(tls["key"]),
+        "--auth-token-file",
+        str(tmp_path / "token"),
+    )
     try:
         client = BatonClient(server.target, token=TOKEN, ca_file=str(tls["ca"]), timeout=120)
         got: list[list[int] | Exception] = [[] for _ in prompts]

@@ -20,8 +20,17 @@ service_pb2 = pytest.importorskip("tritonclient.grpc.service_pb2", reason="trito
 
 
 def _fields(desc) -> list[tuple]:
-    return sorted((f.name, f.number, f.type, f.message_type.full_name if f.message_type else "",
-                   f.containing_oneof.name if f.containing_oneof else "", f.has_presence) for f in desc.fields)
+    return sorted(
+        (
+            f.name,
+            f.number,
+            f.type,
+            f.message_type.full_name if f.message_type else "",
+            f.containing_oneof.name if f.containing_oneof else "",
+            f.has_presence,
+        )
+        for f in desc.fields
+    )
 
 
 def test_kserve_proto_matches_tritonclients_descriptors():
@@ -70,12 +79,19 @@ def test_sampling_from_proto_keeps_engine_defaults():
 
 
 def test_sampling_from_json():
-    p = from_json('{"temperature": "0", "max_tokens": "12", "top_k": 5, "stop": "x", "ignore_eos": "true", '
-                  '"seed": null}')
+    p = from_json(
+        '{"temperature": "0", "max_tokens": "12", "top_k": 5, "stop": "x", "ignore_eos": "true", "seed": null}'
+    )
     assert (p.temperature, p.max_tokens, p.top_k, p.stop, p.ignore_eos, p.seed) == (0.0, 12, 5, ["x"], True, None)
-    for text, field in [("{bad", "not valid JSON"), ("[1]", "JSON object"), ('{"tempature": 1}', "'tempature'"),
-                        ('{"max_tokens": "abc"}', "max_tokens"), ('{"temperature": -1}', "temperature"),
-                        ('{"ignore_eos": 3}', "ignore_eos"), ('{"max_tokens": 1.5}', "max_tokens")]:
+    for text, field in [
+        ("{bad", "not valid JSON"),
+        ("[1]", "JSON object"),
+        ('{"tempature": 1}', "'tempature'"),
+        ('{"max_tokens": "abc"}', "max_tokens"),
+        ('{"temperature": -1}', "temperature"),
+        ('{"ignore_eos": 3}', "ignore_eos"),
+        ('{"max_tokens": 1.5}', "max_tokens"),
+    ]:
         with pytest.raises(RpcError, match=field) as e:
             from_json(text)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

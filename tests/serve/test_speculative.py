@@ -19,8 +19,16 @@ from baton.serve.speculative.decoder import choose
 
 from .conftest import run_staggered
 
-CFG = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=256)
+CFG = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.1,
+    max_position_embeddings=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +69,9 @@ def _prompts():
     return prompts + [[7, 8, 9, 10, 11] * 8]  # repetitive: n-gram lookup has something to find
 
 
-
-
-@pytest.mark.parametrize("mode", ["ngram", "ngram-adaptive", "draft", "draft-agreeing", "draft-tree", "medusa-chain", "medusa-tree"])
+@pytest.mark.parametrize(
+    "mode", ["ngram", "ngram-adaptive", "draft", "draft-agreeing", "draft-tree", "medusa-chain", "medusa-tree"]
+)
 @pytest.mark.parametrize("pressure", ["roomy", "preempting"])
 def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     d, target = models
@@ -71,8 +79,12 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     expected = [greedy_generate(target, torch.tensor([p]), 28)[0].tolist() for p in prompts]
     cfg = EngineConfig(num_kv_blocks=96, block_size=8, speculative=spec_modes(d)[mode])
     if pressure == "preempting":
-        cfg = EngineConfig(num_kv_blocks=22, block_size=8, speculative=spec_modes(d)[mode],
-                           scheduler=SchedulerConfig(max_num_batched_tokens=24, preemption_mode="swap"))
+        cfg = EngineConfig(
+            num_kv_blocks=22,
+            block_size=8,
+            speculative=spec_modes(d)[mode],
+            scheduler=SchedulerConfig(max_num_batched_tokens=24, preemption_mode="swap"),
+        )
     engine = LLMEngine.from_checkpoint(d / "target", cfg)
     got = run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True), every=2)
     assert got == expected
@@ -84,7 +96,9 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
     if mode.startswith("draft"):
-        assert engine.speculative.proposer.bm.num_free_blocks == engine.speculative.proposer.bm.num_blocks, "draft KV leaked"
+        assert engine.speculative.proposer.bm.num_free_blocks == engine.speculative.proposer.bm.num_blocks, (
+            "draft KV leaked"
+        )
 
 
 def test_prefix_caching_with_speculation(models):
@@ -92,9 +106,16 @@ def test_prefix_caching_with_speculation(models):
     shared = list(range(1, 41))
     prompts = [shared + [50 + i, 60 + i] for i in range(4)]
     expected = [greedy_generate(target, torch.tensor([p]), 20)[0].tolist() for p in prompts]
-    engine = LLMEngine.from_checkpoint(d / "target", EngineConfig(
-        num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("draft", 4, draft_model=str(d / "agreeing"))))
-    assert run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), every=3) == expected
+    engine = LLMEngine.from_checkpoint(
+        d / "target",
+        EngineConfig(
+            num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("draft", 4, draft_model=str(d / "agreeing"))
+        ),
+    )
+    assert (
+        run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), every=3)
+        == expected
+    )
     assert engine.block_manager.prefix_hits > 0
 
 
@@ -111,7 +132,7 @@ def test_choose_preserves_the_target_distribution():
                 c = int(torch.multinomial(q, 1, generator=g))
                 tok, _ = choose(p, [c], q.unsqueeze(0), g, greedy=False)
             else:  # deterministic candidates (n-gram / Medusa / tree siblings)
-                tok, _ = choose(p, [2, 4, 0][:trial + 1], None, g, greedy=False)
+                tok, _ = choose(p, [2, 4, 0][: trial + 1], None, g, greedy=False)
             counts[tok] += 1
         tv = 0.5 * (counts / n - p).abs().sum()
         assert tv < 0.02, f"trial {trial}: total variation {tv:.3f}"
@@ -130,12 +151,16 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     heads = MedusaHeads(MedusaConfig(cfg["hidden_size"], 6, num_heads=2))
     heads.init_from_lm_head(target.lm_head)
     save_medusa(heads, tmp_path / "t")
-    spec = {"draft": SpeculativeConfig("draft", 3, draft_model=str(tmp_path / "dr")),
-            "ngram": SpeculativeConfig("ngram", 3, ngram_min=1),
-            "medusa-tree": SpeculativeConfig("medusa", 2, tree_width=2)}[mode]
+    spec = {
+        "draft": SpeculativeConfig("draft", 3, draft_model=str(tmp_path / "dr")),
+        "ngram": SpeculativeConfig("ngram", 3, ngram_min=1),
+        "medusa-tree": SpeculativeConfig("medusa", 2, tree_width=2),
+    }[mode]
     prompt = [1, 2, 1, 2, 1]
-    engine = LLMEngine.from_checkpoint(tmp_path / "t", EngineConfig(num_kv_blocks=2048, block_size=4, speculative=spec,
-                                                                     scheduler=SchedulerConfig(max_num_seqs=256)))
+    engine = LLMEngine.from_checkpoint(
+        tmp_path / "t",
+        EngineConfig(num_kv_blocks=2048, block_size=4, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=256)),
+    )
     n = 2000
     for i in range(n):
         engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, max_tokens=3, seed=i, ignore_eos=True))
@@ -144,8 +169,10 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
         outs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
     assert engine.speculative.stats.accepted > 0
     with torch.no_grad():
+
         def probs(ctx):
             return torch.softmax(target(torch.tensor([ctx]))[0, -1].double(), -1)
+
         p1 = probs(prompt)
         p2 = sum(p1[a] * probs(prompt + [a]) for a in range(6))
         p3 = sum(p1[a] * probs(prompt + [a])[b] * probs(prompt + [a, b]) for a in range(6) for b in range(6))
@@ -193,13 +220,16 @@ def test_bad_speculative_configs(models):
     with pytest.raises(ValueError, match="needs draft_model"):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("draft")))
     with pytest.raises(ValueError, match="disable_above_batch must be >= 1"):
-        LLMEngine.from_checkpoint(d / "target", EngineConfig(
-            num_kv_blocks=8, speculative=SpeculativeConfig("ngram", disable_above_batch=0)))
+        LLMEngine.from_checkpoint(
+            d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("ngram", disable_above_batch=0))
+        )
     other_vocab = build_model(ModelConfig(**{**CFG, "vocab_size": 50}), seed=0)
     save_model(d / "bad-draft", other_vocab)
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
-        LLMEngine.from_checkpoint(d / "target", EngineConfig(
-            num_kv_blocks=8, speculative=SpeculativeConfig("draft", draft_model=str(d / "bad-draft"))))
+        LLMEngine.from_checkpoint(
+            d / "target",
+            EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("draft", draft_model=str(d / "bad-draft"))),
+        )
     assert load_checkpoint(d / "target").model is not None
 
 
@@ -208,8 +238,9 @@ def test_speculation_switches_off_above_the_batch_limit(models):
     speculation resumes - and the outputs are plain decoding's either way."""
     d, target = models
     loop = [7, 8, 9, 10, 11] * 8  # n-gram lookup always finds a proposal here
-    engine = LLMEngine.from_checkpoint(d / "target", EngineConfig(
-        num_kv_blocks=256, speculative=SpeculativeConfig("ngram", 4, disable_above_batch=2)))
+    engine = LLMEngine.from_checkpoint(
+        d / "target", EngineConfig(num_kv_blocks=256, speculative=SpeculativeConfig("ngram", 4, disable_above_batch=2))
+    )
     lengths = (24, 6, 6)  # the two short requests finish first, then one sequence is left
     for i, n in enumerate(lengths):
         engine.add_request(str(i), loop, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

@@ -36,32 +36,45 @@ class StreamingReference:
             n = len(self.keys[i])
             kc, kc_sin = rotary_cos_sin(self.model.model.inv_freq, torch.arange(n), q.dtype)
             keys = torch.stack(self.keys[i])
-            keys = keys * kc.unsqueeze(1) + torch.cat([-keys[..., keys.shape[-1] // 2:], keys[..., :keys.shape[-1] // 2]], -1) * kc_sin.unsqueeze(1)
+            keys = keys * kc.unsqueeze(1) + torch.cat(
+                [-keys[..., keys.shape[-1] // 2 :], keys[..., : keys.shape[-1] // 2]], -1
+            ) * kc_sin.unsqueeze(1)
             vals = torch.stack(self.values[i])
             group = q.shape[2] // keys.shape[1]
             keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
             scores = torch.einsum("hd,nhd->hn", q[0, 0], keys) * layer.scaling
             return torch.einsum("hn,nhd->hd", scores.softmax(-1), vals)[None, None]
+
         return attend
 
     @torch.no_grad()
     def step(self, token: int) -> int:
         if len(self.keys[0]) + 1 - self.sinks - self.window >= self.evict:  # mirror the engine's block eviction
             for lst in self.keys + self.values:
-                del lst[self.sinks:self.sinks + self.evict]
+                del lst[self.sinks : self.sinks + self.evict]
         pos = torch.tensor([[len(self.keys[0])]])
         logits = self.model(torch.tensor([[token]]), positions=pos, attn=self._backend(pos))
         return int(logits[0, -1].argmax())
 
 
 def test_streaming_llm_matches_reference_far_past_context(tmp_path):
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+    cfg = ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.1,
+    )
     model = build_model(cfg, seed=3)
     save_model(tmp_path / "m", model)
     bs, sinks, window, steps = 4, 4, 24, 320  # 5x the 64-token context
-    engine = LLMEngine.from_checkpoint(tmp_path / "m", EngineConfig(
-        num_kv_blocks=16, block_size=bs, streaming_sink_tokens=sinks, streaming_window_tokens=window))
+    engine = LLMEngine.from_checkpoint(
+        tmp_path / "m",
+        EngineConfig(num_kv_blocks=16, block_size=bs, streaming_sink_tokens=sinks, streaming_window_tokens=window),
+    )
     prompt = [5, 17, 9, 30, 2, 77]
     engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
     peak = 0

@@ -49,17 +49,21 @@ def test_stop_strings_truncate_and_are_never_streamed(llama_dir):
     engine = LLMEngine.from_checkpoint(llama_dir, EngineConfig(num_kv_blocks=64, block_size=8))
     free_run = _run(engine, "free", "The quick", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[-1]
     full = free_run.outputs[0].text
-    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert len(stop) == 3 and stop in full
     outs = _run(engine, "stop", "The quick", SamplingParams(temperature=0, max_tokens=40, stop=[stop], ignore_eos=True))
     final = outs[-1].outputs[0]
     assert final.finish_reason == "stop" and final.stop_reason == stop
-    assert final.text == full[:full.find(stop)]
+    assert final.text == full[: full.find(stop)]
     assert "".join(o.outputs[0].delta_text for o in outs) == final.text
     assert all(stop not in o.outputs[0].text for o in outs)
-    incl = _run(engine, "incl", "The quick", SamplingParams(temperature=0, max_tokens=40, stop=[stop],
-                                                            include_stop_str_in_output=True, ignore_eos=True))[-1]
-    assert incl.outputs[0].text == full[:full.find(stop) + len(stop)]
+    incl = _run(
+        engine,
+        "incl",
+        "The quick",
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True, ignore_eos=True),
+    )[-1]
+    assert incl.outputs[0].text == full[: full.find(stop) + len(stop)]
 
 
 def test_stop_token_ids_and_eos(llama_dir):
@@ -67,10 +71,14 @@ def test_stop_token_ids_and_eos(llama_dir):
     free_run = _run(engine, "free", "The quick", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[-1]
     ids = free_run.outputs[0].token_ids
     target = ids[5]
-    out = _run(engine, "tok", "The quick", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[target],
-                                                          ignore_eos=True))[-1].outputs[0]
+    out = _run(
+        engine,
+        "tok",
+        "The quick",
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[target], ignore_eos=True),
+    )[-1].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == target
-    assert out.token_ids == ids[:ids.index(target) + 1]
+    assert out.token_ids == ids[: ids.index(target) + 1]
     engine.eos_ids = {target}  # as if the model's EOS were that token
     out = _run(engine, "eos", "The quick", SamplingParams(temperature=0, max_tokens=20))[-1].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason is None and out.token_ids[-1] == target

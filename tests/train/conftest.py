@@ -33,8 +33,14 @@ CKPT_STEP = 10
 # A 2-layer, 32-wide model on 32-token blocks: each step takes milliseconds, so a run is mostly
 # process start-up. Global batch 8 = 4 micro x accum, whatever the world size.
 TINY = {
-    "model": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 64},
+    "model": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+    },
     "data": {"seq_len": 32, "val_fraction": 0.05},
     "tokenizer": {"kind": "char"},
     "optim": {"lr": 1.0e-2, "min_lr": 1.0e-3, "warmup_steps": 2},
@@ -60,17 +66,30 @@ MODES: dict[str, tuple[int, list[str]]] = {
     "z2-2": (2, [*DS, "deepspeed.stage=2", "recompute.mode=selective"]),
     "z3-2": (2, [*DS, "deepspeed.stage=3", "recompute.mode=full"]),
     "z2-offload-2": (2, [*DS, "deepspeed.stage=2", "deepspeed.offload_optimizer=cpu", "deepspeed.cpu_adam=false"]),
-    "z3-offload-cpuadam-2": (2, [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=cpu",
-                                 "deepspeed.offload_param=cpu"]),  # DeepSpeedCPUAdam (the default when offloading)
+    "z3-offload-cpuadam-2": (
+        2,
+        [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"],
+    ),  # DeepSpeedCPUAdam (the default when offloading)
 }
 # NVMe: DeepSpeed only swaps groups of >= 1 MiB, so a 0.8M-parameter model (4 layers, 128 wide), else
 # everything would quietly stay in memory. "{out}" is the run's out_dir.
 WIDER = ["model.hidden_size=128", "model.intermediate_size=512", "model.num_hidden_layers=4"]
 NVME_MODES: dict[str, tuple[int, list[str]]] = {
-    "z3-nvme-2": (2, [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme", "deepspeed.offload_param=nvme",
-                      "deepspeed.nvme_path={out}/swap", *WIDER]),
-    "z3-cpu-wider-2": (2, [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu",
-                           *WIDER]),
+    "z3-nvme-2": (
+        2,
+        [
+            *DS,
+            "deepspeed.stage=3",
+            "deepspeed.offload_optimizer=nvme",
+            "deepspeed.offload_param=nvme",
+            "deepspeed.nvme_path={out}/swap",
+            *WIDER,
+        ],
+    ),
+    "z3-cpu-wider-2": (
+        2,
+        [*DS, "deepspeed.stage=3", "deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu", *WIDER],
+    ),
 }
 
 
@@ -109,8 +128,11 @@ def recipe(corpus, tmp_path_factory) -> Path:
 
 
 def command(nproc: int, args: list[str], script: str = "-m baton.common.cli") -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                f"--master_port={free_port()}"] if nproc > 1 else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}"]
+        if nproc > 1
+        else [sys.executable]
+    )
     return [*launcher, *script.split(), *args]
 
 
@@ -123,13 +145,20 @@ def environment(nproc: int) -> dict[str, str]:
 
 
 def train_args(recipe: Path, out_dir: Path, overrides: list[str]) -> list[str]:
-    return ["train", "--config", str(recipe), f"out_dir={out_dir}", *(o.replace("{out}", str(out_dir)) for o in overrides)]
+    return [
+        "train",
+        "--config",
+        str(recipe),
+        f"out_dir={out_dir}",
+        *(o.replace("{out}", str(out_dir)) for o in overrides),
+    ]
 
 
 def run(nproc: int, args: list[str], log: Path, timeout: float = 300, script: str = "-m baton.common.cli") -> None:
     with open(log, "w") as f:
-        proc = subprocess.run(command(nproc, args, script), env=environment(nproc), stdout=f,
-                              stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(
+            command(nproc, args, script), env=environment(nproc), stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+        )
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
 
@@ -178,8 +207,13 @@ class Runs:
             nproc = MODES[mode][0]
             batch = [m for m, (n, _) in MODES.items() if n == nproc and m not in self.done]
             specs = [f"{m}={','.join(o.replace('{out}', str(self.root / m)) for o in MODES[m][1])}" for m in batch]
-            run(nproc, [str(self.recipe), str(self.root), *specs], self.root / f"references-{nproc}.log",
-                timeout=600, script=str(MULTI_RUN))
+            run(
+                nproc,
+                [str(self.recipe), str(self.root), *specs],
+                self.root / f"references-{nproc}.log",
+                timeout=600,
+                script=str(MULTI_RUN),
+            )
             self.done.update(batch)
         return self.root / mode
 
@@ -218,8 +252,17 @@ def char_model_checkpoint(tmp_path: Path, name: str = "base"):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(PATTERN_TEXT)
     tok = train_char(PATTERN_TEXT)
-    model = build_model(ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=128), seed=0)
+    model = build_model(
+        ModelConfig(
+            vocab_size=tok.vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=128,
+        ),
+        seed=0,
+    )
     save_model(tmp_path / name, model, tokenizer=tok)
     return corpus, tok, model
 
@@ -248,11 +291,23 @@ def async_io_op() -> Path:
     TORCH_EXTENSIONS_DIR already set wins), exported before anything builds so the runs share it.
     A machine that cannot build it fails the tests that need it, with the builder's own error."""
     root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions")))
-    nvme = ["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme", "deepspeed.cpu_adam=false",
-            f"deepspeed.nvme_path={root}"]
-    proc = subprocess.run([sys.executable, "-c", BUILD_OP, json.dumps(TINY), *nvme], env=environment(1),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1500)
+    nvme = [
+        "backend=deepspeed",
+        "deepspeed.stage=3",
+        "deepspeed.offload_optimizer=nvme",
+        "deepspeed.cpu_adam=false",
+        f"deepspeed.nvme_path={root}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", BUILD_OP, json.dumps(TINY), *nvme],
+        env=environment(1),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=1500,
+    )
     if proc.returncode != 0:
-        pytest.fail(f"building DeepSpeed's async_io op failed ({proc.returncode}):\n{proc.stdout[-8000:]}",
-                    pytrace=False)
+        pytest.fail(
+            f"building DeepSpeed's async_io op failed ({proc.returncode}):\n{proc.stdout[-8000:]}", pytrace=False
+        )
     return root

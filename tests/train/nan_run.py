@@ -42,8 +42,16 @@ def main(recipe: str, root: str, out: str) -> None:
             return result
 
         ds_backend.lm_loss, ds_backend.DeepSpeedBackend.train_step = lm_loss, train_step
-        cfg = load_config(recipe, [f"out_dir={root}/z{stage}", "backend=deepspeed", f"deepspeed.stage={stage}",
-                                   "max_steps=8", "export=false"])
+        cfg = load_config(
+            recipe,
+            [
+                f"out_dir={root}/z{stage}",
+                "backend=deepspeed",
+                f"deepspeed.stage={stage}",
+                "max_steps=8",
+                "export=false",
+            ],
+        )
         result = train(cfg)
         report[stage] = {"seen": seen, "skipped": result.skipped_steps, "final_loss": result.final_train_loss}
     with open(out, "w") as f:

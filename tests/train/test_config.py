@@ -17,34 +17,44 @@ from baton.train.medusa import MedusaTrainConfig
 from .conftest import TINY
 
 
-@pytest.mark.parametrize("override, message", [
-    (["bogus=1"], "unknown key(s) in training config: bogus"),
-    (["deepspeed.stagee=2"], "unknown key(s) in deepspeed: stagee"),
-    (["global_batch_size=10"], "global_batch_size 10 is not a multiple of micro_batch_size 4"),
-    (["grad_accum_steps=3"], "global_batch_size 8 is not a multiple of micro_batch_size 4 x grad_accum_steps 3"),
-    (["max_steps=0"], "max_steps must be a positive integer"),
-    (["optim.warmup_steps=50"], "warmup_steps 50 must be in 0..max_steps 20"),
-    (["data.path=/no/such/corpus.txt"], "no such file or directory"),
-    (["data.seq_len=128"], "data.seq_len 128 exceeds the model's max_position_embeddings 64"),
-    (["model.torch_dtype=bfloat16"], "training keeps float32 weights"),
-    (["model.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
-    (["backend=megatron"], "backend must be one of"),
-    (["recompute.mode=partial"], "recompute.mode must be one of"),
-    (["checkpoint.resume=/no/such/run"], "checkpoint.resume must be 'auto', 'never' or an existing"),
-    (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
-    (["deepspeed.offload_optimizer=cpu"], "offload needs backend: deepspeed"),
-    (["backend=deepspeed", "deepspeed.stage=4"], "deepspeed.stage must be 0, 1, 2 or 3"),
-    (["backend=deepspeed", "deepspeed.offload_optimizer=disk"], "offload_optimizer must be one of"),
-    (["backend=deepspeed", "deepspeed.stage=0", "deepspeed.offload_optimizer=cpu"], "needs ZeRO stage >= 1"),
-    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_param=cpu"], "offload_param needs ZeRO stage 3"),
-    # DeepSpeed's trap: nvme optimizer offload at stage 1/2 silently offloads to CPU memory.
-    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_optimizer=nvme", "deepspeed.nvme_path=/tmp"],
-     "nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently offloads to CPU"),
-    (["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme"], "needs deepspeed.nvme_path"),
-    (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.cpu_adam=true"], "cpu_adam runs the optimizer on the host"),
-    (["backend=deepspeed", "deepspeed.extra={gradient_accumulation_steps: 4}"],
-     "deepspeed.extra.gradient_accumulation_steps=4 disagrees with the recipe's 2 accumulation steps"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["bogus=1"], "unknown key(s) in training config: bogus"),
+        (["deepspeed.stagee=2"], "unknown key(s) in deepspeed: stagee"),
+        (["global_batch_size=10"], "global_batch_size 10 is not a multiple of micro_batch_size 4"),
+        (["grad_accum_steps=3"], "global_batch_size 8 is not a multiple of micro_batch_size 4 x grad_accum_steps 3"),
+        (["max_steps=0"], "max_steps must be a positive integer"),
+        (["optim.warmup_steps=50"], "warmup_steps 50 must be in 0..max_steps 20"),
+        (["data.path=/no/such/corpus.txt"], "no such file or directory"),
+        (["data.seq_len=128"], "data.seq_len 128 exceeds the model's max_position_embeddings 64"),
+        (["model.torch_dtype=bfloat16"], "training keeps float32 weights"),
+        (["model.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
+        (["backend=megatron"], "backend must be one of"),
+        (["recompute.mode=partial"], "recompute.mode must be one of"),
+        (["checkpoint.resume=/no/such/run"], "checkpoint.resume must be 'auto', 'never' or an existing"),
+        (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),
+        (["deepspeed.offload_optimizer=cpu"], "offload needs backend: deepspeed"),
+        (["backend=deepspeed", "deepspeed.stage=4"], "deepspeed.stage must be 0, 1, 2 or 3"),
+        (["backend=deepspeed", "deepspeed.offload_optimizer=disk"], "offload_optimizer must be one of"),
+        (["backend=deepspeed", "deepspeed.stage=0", "deepspeed.offload_optimizer=cpu"], "needs ZeRO stage >= 1"),
+        (["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_param=cpu"], "offload_param needs ZeRO stage 3"),
+        # DeepSpeed's trap: nvme optimizer offload at stage 1/2 silently offloads to CPU memory.
+        (
+            ["backend=deepspeed", "deepspeed.stage=2", "deepspeed.offload_optimizer=nvme", "deepspeed.nvme_path=/tmp"],
+            "nvme needs ZeRO stage 3; at stage 1/2 DeepSpeed silently offloads to CPU",
+        ),
+        (["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme"], "needs deepspeed.nvme_path"),
+        (
+            ["backend=deepspeed", "deepspeed.stage=2", "deepspeed.cpu_adam=true"],
+            "cpu_adam runs the optimizer on the host",
+        ),
+        (
+            ["backend=deepspeed", "deepspeed.extra={gradient_accumulation_steps: 4}"],
+            "deepspeed.extra.gradient_accumulation_steps=4 disagrees with the recipe's 2 accumulation steps",
+        ),
+    ],
+)
 def test_bad_recipe_is_rejected_before_anything_happens(recipe, tmp_path, capsys, override, message):
     out = tmp_path / "run"
     assert main(["train", "--config", str(recipe), f"out_dir={out}", *override]) == 2
@@ -56,12 +66,16 @@ def test_bad_recipe_is_rejected_before_anything_happens(recipe, tmp_path, capsys
 def test_batch_arithmetic_is_checked_against_the_world_size():
     cfg = config_from_dict(TINY)  # global 8 = 4 micro x accum (derived) x ranks
     assert [cfg.accum_steps(n) for n in (1, 2)] == [2, 1]
-    with pytest.raises(ConfigError, match="global_batch_size 8 is not divisible by micro_batch_size 4 x "
-                                          "data-parallel size 3"):
+    with pytest.raises(
+        ConfigError, match="global_batch_size 8 is not divisible by micro_batch_size 4 x data-parallel size 3"
+    ):
         cfg.validate(data_parallel_size=3)
     fixed = config_from_dict(TINY, ["grad_accum_steps=2"])
-    with pytest.raises(ConfigError, match=r"global_batch_size 8 != micro_batch_size 4 x grad_accum_steps 2 x "
-                                          r"data-parallel size 2 = 16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"global_batch_size 8 != micro_batch_size 4 x grad_accum_steps 2 x "
+        r"data-parallel size 2 = 16",
+    ):
         fixed.validate(data_parallel_size=2)
 
 
@@ -72,10 +86,16 @@ def test_nvme_offload_without_libaio_is_rejected_up_front(recipe, tmp_path, caps
     builder = type(get_accelerator().create_op_builder("AsyncIOBuilder"))
     monkeypatch.setattr(builder, "is_compatible", lambda self, verbose=False: False)
     out = tmp_path / "run"
-    args = ["backend=deepspeed", "deepspeed.stage=3", "deepspeed.offload_optimizer=nvme",
-            f"deepspeed.nvme_path={tmp_path / 'nvme'}"]
+    args = [
+        "backend=deepspeed",
+        "deepspeed.stage=3",
+        "deepspeed.offload_optimizer=nvme",
+        f"deepspeed.nvme_path={tmp_path / 'nvme'}",
+    ]
     assert main(["train", "--config", str(recipe), f"out_dir={out}", *args]) == 2
-    assert "async_io cannot be built on this machine (needs libaio: apt-get install libaio-dev)" in capsys.readouterr().err
+    assert (
+        "async_io cannot be built on this machine (needs libaio: apt-get install libaio-dev)" in capsys.readouterr().err
+    )
     assert not out.exists()
 
 
@@ -99,8 +119,9 @@ def test_too_little_data_for_one_global_batch(tmp_path, capsys):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("recipe_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "recipe_file", sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml")), ids=lambda p: p.name
+)
 def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
     monkeypatch.chdir(recipe_file.parents[1])  # data paths are relative to the repository root
     shakespeare = recipe_file.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -109,9 +130,19 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
         pytest.skip("../shared/data/tinyshakespeare.txt is not here")
     if "runs/demo/" in text:  # a recipe for the demo model (after `baton demo`, `baton distill`): stand-ins
         tok = train_char("a stand-in for the demo model's tokenizer")
-        save_model(tmp_path / "demo" / "handoff", build_model(ModelConfig(
-            vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-            num_attention_heads=2)), tokenizer=tok)
+        save_model(
+            tmp_path / "demo" / "handoff",
+            build_model(
+                ModelConfig(
+                    vocab_size=tok.vocab_size,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                )
+            ),
+            tokenizer=tok,
+        )
         (tmp_path / "demo" / "distill.jsonl").write_text('{"text": "a stand-in continuation"}\n')
         recipe_file = tmp_path / recipe_file.name
         recipe_file.write_text(text.replace("runs/demo/", f"{tmp_path / 'demo'}/"))

@@ -29,7 +29,8 @@ def test_deepspeed_is_pinned_to_the_tested_range():
     installed = version("deepspeed")
     assert installed in SpecifierSet(TESTED), (
         f"DeepSpeed {installed} is installed, Baton is tested with deepspeed{TESTED}: its private APIs "
-        f"(test_private_deepspeed_apis_baton_uses_are_there) may have moved; install a version in range")
+        f"(test_private_deepspeed_apis_baton_uses_are_there) may have moved; install a version in range"
+    )
 
 
 def accepts(fn: Callable[..., Any] | None, positional: int = 0, *keywords: str) -> str | None:
@@ -72,8 +73,20 @@ def _cpu_adam_binding() -> str | None:
     if not impl:
         return f"{binding[1]} not found in cpu_adam_impl.cpp"
     params = [p.split()[-1].lstrip("&*") for p in impl[1].split(",")]
-    want = ["optimizer_id", "step", "lr", "beta1", "beta2", "epsilon", "weight_decay", "bias_correction", "params",
-            "grads", "exp_avg", "exp_avg_sq"]
+    want = [
+        "optimizer_id",
+        "step",
+        "lr",
+        "beta1",
+        "beta2",
+        "epsilon",
+        "weight_decay",
+        "bias_correction",
+        "params",
+        "grads",
+        "exp_avg",
+        "exp_avg_sq",
+    ]
     return None if params == want else f"adam_update({', '.join(params)}), Baton passes ({', '.join(want)})"
 
 
@@ -81,13 +94,21 @@ def _checkpoint_keys() -> str | None:
     """The keys of DeepSpeed's checkpoint files that zero_checkpoint.py reads back itself."""
     from deepspeed.checkpoint import constants as c
 
-    want = {"OPTIMIZER_STATE_DICT": "optimizer_state_dict", "FP32_FLAT_GROUPS": "fp32_flat_groups",
-            "SINGLE_PARTITION_OF_FP32_GROUPS": "single_partition_of_fp32_groups",
-            "BASE_OPTIMIZER_STATE": "base_optimizer_state", "PARAM_ALIGNMENT_PADDINGS": "param_alignment_paddings",
-            "ZERO_STAGE": "zero_stage", "PARAM_SHAPES": "param_shapes"}
+    want = {
+        "OPTIMIZER_STATE_DICT": "optimizer_state_dict",
+        "FP32_FLAT_GROUPS": "fp32_flat_groups",
+        "SINGLE_PARTITION_OF_FP32_GROUPS": "single_partition_of_fp32_groups",
+        "BASE_OPTIMIZER_STATE": "base_optimizer_state",
+        "PARAM_ALIGNMENT_PADDINGS": "param_alignment_paddings",
+        "ZERO_STAGE": "zero_stage",
+        "PARAM_SHAPES": "param_shapes",
+    }
     optional = {"PARAM_ALIGNMENT_PADDINGS"}  # newer: before it, ZeRO-1/2 did not pad each parameter (none is read)
-    moved = [f"{k}={getattr(c, k, None)!r} (Baton reads {v!r})" for k, v in want.items()
-             if getattr(c, k, v if k in optional else None) != v]
+    moved = [
+        f"{k}={getattr(c, k, None)!r} (Baton reads {v!r})"
+        for k, v in want.items()
+        if getattr(c, k, v if k in optional else None) != v
+    ]
     return "; ".join(moved) or None
 
 
@@ -122,8 +143,11 @@ def _op_builders() -> str | None:
         cls = get_accelerator().get_op_builder(name)
         if cls is None:
             return f"the accelerator has no {name}"
-        problem = first(accepts(cls.load, 1, "verbose"), accepts(cls.is_compatible, 1, "verbose"),
-                        None if isinstance(getattr(cls, "NAME", None), str) else "no NAME")
+        problem = first(
+            accepts(cls.load, 1, "verbose"),
+            accepts(cls.is_compatible, 1, "verbose"),
+            None if isinstance(getattr(cls, "NAME", None), str) else "no NAME",
+        )
         if problem:
             return f"{name}: {problem}"
     return None
@@ -150,42 +174,77 @@ def private_api_checks() -> dict[str, tuple[str, Callable[[], str | None]]]:
 
     ds = "train/backends/deepspeed.py"
     return {
-        "deepspeed.initialize(model=, optimizer=, config=, dist_init_required=)":
-            (ds, lambda: accepts(deepspeed.initialize, 0, "model", "optimizer", "config", "dist_init_required")),
-        "deepspeed.init_distributed(dist_backend=)":
-            (ds, lambda: accepts(deepspeed.init_distributed, 0, "dist_backend")),
-        "DeepSpeedEngine.save_checkpoint(dir, tag=, save_latest=)":
-            (ds, lambda: accepts(Engine.save_checkpoint, 2, "tag", "save_latest")),
-        "DeepSpeedEngine.load_checkpoint(dir, tag=, load_lr_scheduler_states=)":
-            (ds, lambda: accepts(Engine.load_checkpoint, 2, "tag", "load_lr_scheduler_states")),
-        "DeepSpeedEngine.was_step_applied(), .get_global_grad_norm()":
-            (ds, lambda: first(accepts(Engine.was_step_applied, 1), accepts(Engine.get_global_grad_norm, 1))),
+        "deepspeed.initialize(model=, optimizer=, config=, dist_init_required=)": (
+            ds,
+            lambda: accepts(deepspeed.initialize, 0, "model", "optimizer", "config", "dist_init_required"),
+        ),
+        "deepspeed.init_distributed(dist_backend=)": (
+            ds,
+            lambda: accepts(deepspeed.init_distributed, 0, "dist_backend"),
+        ),
+        "DeepSpeedEngine.save_checkpoint(dir, tag=, save_latest=)": (
+            ds,
+            lambda: accepts(Engine.save_checkpoint, 2, "tag", "save_latest"),
+        ),
+        "DeepSpeedEngine.load_checkpoint(dir, tag=, load_lr_scheduler_states=)": (
+            ds,
+            lambda: accepts(Engine.load_checkpoint, 2, "tag", "load_lr_scheduler_states"),
+        ),
+        "DeepSpeedEngine.was_step_applied(), .get_global_grad_norm()": (
+            ds,
+            lambda: first(accepts(Engine.was_step_applied, 1), accepts(Engine.get_global_grad_norm, 1)),
+        ),
         "deepspeed.ops.__compatible_ops__ (shm_comm switched off)": (ds, _compatible_ops),
         "accelerator op builders: .load(verbose=), .is_compatible(verbose=), NAME": (ds, _op_builders),
         "ZeRO-3 swap: _swappable_optimizer_subgroup, _optimizer_states_and_gradient_swap_in/_out, "
-        "_release_swap_buffers": (ds, lambda: methods(
-            Zero3, 2, "_swappable_optimizer_subgroup", "_optimizer_states_and_gradient_swap_in",
-            "_optimizer_states_and_gradient_swap_out", "_release_swap_buffers")),
-        "ZeRO-3 .fp32_partitioned_groups_flat, .fp16_partitioned_groups_flat_numel, .optimizer":
-            (f"{ds}, zero_memory.py", lambda: assigns(Zero3, "fp32_partitioned_groups_flat",
-                                                     "fp16_partitioned_groups_flat_numel", "optimizer")),
-        "ZeRO-1/2 ._lazy_init_hp_params_optimizer_state(), .refresh_fp32_params()":
-            (ds, lambda: methods(Zero12, 1, "_lazy_init_hp_params_optimizer_state", "refresh_fp32_params")),
-        "ZeRO-1/2 .single_partition_of_fp32_groups, .optimizer":
-            (f"{ds}, zero_memory.py", lambda: assigns(Zero12, "single_partition_of_fp32_groups", "optimizer")),
+        "_release_swap_buffers": (
+            ds,
+            lambda: methods(
+                Zero3,
+                2,
+                "_swappable_optimizer_subgroup",
+                "_optimizer_states_and_gradient_swap_in",
+                "_optimizer_states_and_gradient_swap_out",
+                "_release_swap_buffers",
+            ),
+        ),
+        "ZeRO-3 .fp32_partitioned_groups_flat, .fp16_partitioned_groups_flat_numel, .optimizer": (
+            f"{ds}, zero_memory.py",
+            lambda: assigns(Zero3, "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel", "optimizer"),
+        ),
+        "ZeRO-1/2 ._lazy_init_hp_params_optimizer_state(), .refresh_fp32_params()": (
+            ds,
+            lambda: methods(Zero12, 1, "_lazy_init_hp_params_optimizer_state", "refresh_fp32_params"),
+        ),
+        "ZeRO-1/2 .single_partition_of_fp32_groups, .optimizer": (
+            f"{ds}, zero_memory.py",
+            lambda: assigns(Zero12, "single_partition_of_fp32_groups", "optimizer"),
+        ),
         "ZeRO-3 parameters' ds_numel, ds_tensor, ds_persist": ("zero_memory.py", _zero3_param_attributes),
-        "DeepSpeedCPUAdam(params, adamw_mode=, lr=, betas=, eps=), .opt_id, .ds_opt_adam":
-            (ds, lambda: first(accepts(DeepSpeedCPUAdam, 1, "adamw_mode", "lr", "betas", "eps"),
-                               assigns(DeepSpeedCPUAdam, "opt_id", "ds_opt_adam"))),
-        "DeepSpeedCPUAdam's C++ adam_update(opt_id, step, lr, b1, b2, eps, wd, bias_correction, p, g, m, v)":
-            (f"{ds} (_replay_cpu_adam)", _cpu_adam_binding),
-        "deepspeed.utils.safe_set_full_fp32_param(p, value), safe_set_full_optimizer_state(p, value, key)":
-            (ds, lambda: first(accepts(safe_set_full_fp32_param, 2), accepts(safe_set_full_optimizer_state, 3))),
-        "deepspeed.zero.GatheredParameters([p], modifier_rank=)":
-            (ds, lambda: accepts(deepspeed.zero.GatheredParameters, 1, "modifier_rank")),
+        "DeepSpeedCPUAdam(params, adamw_mode=, lr=, betas=, eps=), .opt_id, .ds_opt_adam": (
+            ds,
+            lambda: first(
+                accepts(DeepSpeedCPUAdam, 1, "adamw_mode", "lr", "betas", "eps"),
+                assigns(DeepSpeedCPUAdam, "opt_id", "ds_opt_adam"),
+            ),
+        ),
+        "DeepSpeedCPUAdam's C++ adam_update(opt_id, step, lr, b1, b2, eps, wd, bias_correction, p, g, m, v)": (
+            f"{ds} (_replay_cpu_adam)",
+            _cpu_adam_binding,
+        ),
+        "deepspeed.utils.safe_set_full_fp32_param(p, value), safe_set_full_optimizer_state(p, value, key)": (
+            ds,
+            lambda: first(accepts(safe_set_full_fp32_param, 2), accepts(safe_set_full_optimizer_state, 3)),
+        ),
+        "deepspeed.zero.GatheredParameters([p], modifier_rank=)": (
+            ds,
+            lambda: accepts(deepspeed.zero.GatheredParameters, 1, "modifier_rank"),
+        ),
         "checkpoint keys (deepspeed.checkpoint.constants)": ("train/backends/zero_checkpoint.py", _checkpoint_keys),
-        "checkpoint file names (zero_pp_rank_R_mp_rank_00_optim_states.pt)":
-            ("train/backends/zero_checkpoint.py", _checkpoint_file_names),
+        "checkpoint file names (zero_pp_rank_R_mp_rank_00_optim_states.pt)": (
+            "train/backends/zero_checkpoint.py",
+            _checkpoint_file_names,
+        ),
     }
 
 
@@ -204,5 +263,7 @@ def test_private_deepspeed_apis_baton_uses_are_there():
             problem = f"{type(e).__name__}: {e}"
         if problem:
             moved.append(f"  {api} [used in {where}]: {problem}")
-    assert not moved, (f"DeepSpeed {deepspeed.__version__}: private APIs Baton relies on have moved (tested: "
-                       f"deepspeed{TESTED}):\n" + "\n".join(moved))
+    assert not moved, (
+        f"DeepSpeed {deepspeed.__version__}: private APIs Baton relies on have moved (tested: "
+        f"deepspeed{TESTED}):\n" + "\n".join(moved)
+    )

@@ -81,7 +81,7 @@ def test_exported_zero3_checkpoint_loads_in_transformers_and_the_server_with_equ
     with torch.no_grad():
         for _ in range(6):  # transformers' greedy continuation, one token at a time
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
-    assert list(got.token_ids) == seq[len(prompt):]
+    assert list(got.token_ids) == seq[len(prompt) :]
 
 
 def test_baton_export_consolidates_any_checkpoint(runs, tmp_path):

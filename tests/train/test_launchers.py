@@ -16,16 +16,30 @@ pytestmark = pytest.mark.slow
 LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
 
 
-@pytest.mark.parametrize("launcher, extra", [
-    ("torchrun.sh", []),
-    ("deepspeed.sh", ["backend=deepspeed", "deepspeed.stage=1"]),
-])
+@pytest.mark.parametrize(
+    "launcher, extra",
+    [
+        ("torchrun.sh", []),
+        ("deepspeed.sh", ["backend=deepspeed", "deepspeed.stage=1"]),
+    ],
+)
 def test_launcher_starts_two_ranks(recipe, tmp_path, launcher, extra):
     out = tmp_path / "run"
     env = {k: v for k, v in environment(2).items() if k != "OMP_NUM_THREADS"}  # the launcher sets it
     port = ["--master-port", str(free_port())] if launcher == "deepspeed.sh" else []
-    cmd = [str(LAUNCHERS / launcher), "--nproc", "2", *port, "--", "--config", str(recipe), f"out_dir={out}",
-           "max_steps=3", "checkpoint.interval=0", *extra]
+    cmd = [
+        str(LAUNCHERS / launcher),
+        "--nproc",
+        "2",
+        *port,
+        "--",
+        "--config",
+        str(recipe),
+        f"out_dir={out}",
+        "max_steps=3",
+        "checkpoint.interval=0",
+        *extra,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     state = json.loads((out / "checkpoints" / "step_00000003" / "trainer_state.json").read_text())
@@ -37,8 +51,9 @@ def test_launcher_starts_two_ranks(recipe, tmp_path, launcher, extra):
 
 def test_launchers_reject_unknown_options():
     for launcher in ("torchrun.sh", "deepspeed.sh"):
-        proc = subprocess.run([str(LAUNCHERS / launcher), "--nodes", "2"], capture_output=True, text=True,
-                              env={**os.environ})
+        proc = subprocess.run(
+            [str(LAUNCHERS / launcher), "--nodes", "2"], capture_output=True, text=True, env={**os.environ}
+        )
         assert proc.returncode == 2 and "unknown option --nodes" in proc.stderr
 
 
@@ -49,20 +64,36 @@ def _serve_sbatch(tmp_path: Path, args: list[str], **env: str) -> subprocess.Com
     stub.mkdir(exist_ok=True)
     (stub / "scontrol").write_text("#!/bin/sh\necho node07\n")
     (stub / "scontrol").chmod(0o755)
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("SLURM_") and k not in ("BATON_AUTH_TOKEN", "ALLOW_NO_AUTH", "SERVE_HOST")}
-    base.update(PATH=f"{stub}:{os.environ['PATH']}", SLURM_JOB_NODELIST="node07", SLURM_JOB_ID="5",
-                BATON_DIR=str(LAUNCHERS.parent), DRY_RUN="1")
-    return subprocess.run([str(LAUNCHERS / "serve.sbatch"), "--model", "m", *args], env={**base, **env},
-                          capture_output=True, text=True, timeout=30)
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SLURM_") and k not in ("BATON_AUTH_TOKEN", "ALLOW_NO_AUTH", "SERVE_HOST")
+    }
+    base.update(
+        PATH=f"{stub}:{os.environ['PATH']}",
+        SLURM_JOB_NODELIST="node07",
+        SLURM_JOB_ID="5",
+        BATON_DIR=str(LAUNCHERS.parent),
+        DRY_RUN="1",
+    )
+    return subprocess.run(
+        [str(LAUNCHERS / "serve.sbatch"), "--model", "m", *args],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
-@pytest.mark.parametrize("args, env", [
-    ([], {}),  # the default host, 0.0.0.0
-    (["--host", "10.1.2.3"], {"SERVE_HOST": "127.0.0.1"}),  # an argument wins over SERVE_HOST, as in baton serve
-    (["--host=::"], {}),
-    ([], {"ALLOW_NO_AUTH": "yes"}),  # only exactly 1 opts out
-])
+@pytest.mark.parametrize(
+    "args, env",
+    [
+        ([], {}),  # the default host, 0.0.0.0
+        (["--host", "10.1.2.3"], {"SERVE_HOST": "127.0.0.1"}),  # an argument wins over SERVE_HOST, as in baton serve
+        (["--host=::"], {}),
+        ([], {"ALLOW_NO_AUTH": "yes"}),  # only exactly 1 opts out
+    ],
+)
 def test_serve_sbatch_refuses_to_serve_the_network_without_a_token(tmp_path, args, env):
     proc = _serve_sbatch(tmp_path, args, **env)
     assert proc.returncode == 2 and "srun" not in proc.stdout, proc.stdout
@@ -74,9 +105,13 @@ def test_serve_sbatch_refuses_to_serve_the_network_without_a_token(tmp_path, arg
 def test_serve_sbatch_serves_with_a_token_or_on_loopback(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    for args, env in (([], {"BATON_AUTH_TOKEN": "s3cret"}), (["--auth-token-file", str(token)], {}),
-                      ([f"--auth-token-file={token}"], {}), ([], {"SERVE_HOST": "127.0.0.1"}),
-                      (["--host", "localhost"], {})):
+    for args, env in (
+        ([], {"BATON_AUTH_TOKEN": "s3cret"}),
+        (["--auth-token-file", str(token)], {}),
+        ([f"--auth-token-file={token}"], {}),
+        ([], {"SERVE_HOST": "127.0.0.1"}),
+        (["--host", "localhost"], {}),
+    ):
         proc = _serve_sbatch(tmp_path, args, **env)
         assert proc.returncode == 0, (args, env, proc.stderr)
         assert "baton.common.cli serve --host" in proc.stdout and "WARNING" not in proc.stderr

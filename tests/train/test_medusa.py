@@ -57,19 +57,40 @@ def test_baton_train_runs_a_medusa_recipe(tmp_path):
 
     corpus, _, _ = char_model_checkpoint(tmp_path)
     # self-distillation: the heads train on the base's own continuations, written by `baton distill`
-    distilled = write_distillation_corpus(tmp_path / "base", tmp_path / "distill.jsonl", DistillConfig(
-        DataConfig(path=str(corpus), seq_len=32, cache_dir=str(tmp_path / "cache")), samples=8))
+    distilled = write_distillation_corpus(
+        tmp_path / "base",
+        tmp_path / "distill.jsonl",
+        DistillConfig(DataConfig(path=str(corpus), seq_len=32, cache_dir=str(tmp_path / "cache")), samples=8),
+    )
     recipe = tmp_path / "medusa.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "medusa": {"base": str(tmp_path / "base"), "num_heads": 2, "steps": 5, "batch_size": 4},
-        "data": {"path": str(distilled), "seq_len": 32, "val_fraction": 0, "cache_dir": str(tmp_path / "cache")}}))
-    out = subprocess.run([sys.executable, "-m", "baton.common.cli", "train", "--config", str(recipe), "medusa.lr=2e-3"],
-                         capture_output=True, text=True, timeout=300)
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "medusa": {"base": str(tmp_path / "base"), "num_heads": 2, "steps": 5, "batch_size": 4},
+                "data": {
+                    "path": str(distilled),
+                    "seq_len": 32,
+                    "val_fraction": 0,
+                    "cache_dir": str(tmp_path / "cache"),
+                },
+            }
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.common.cli", "train", "--config", str(recipe), "medusa.lr=2e-3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Medusa heads written into" in out.stdout
     assert load_medusa(tmp_path / "base").config.num_heads == 2
 
     recipe.write_text(yaml.safe_dump({"medusa": {"base": str(tmp_path / "base"), "num_head": 2}}))
-    bad = subprocess.run([sys.executable, "-m", "baton.common.cli", "train", "--config", str(recipe)],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "baton.common.cli", "train", "--config", str(recipe)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "num_head" in bad.stderr

@@ -10,8 +10,18 @@ once per machine; it needs libaio, which .ci/run installs) and fail, never skip,
 import pytest
 import torch
 
-from .conftest import (CKPT_STEP, MODES, NVME_MODES, STEPS, final_state, losses, max_rel_diff, run, run_and_kill,
-                       train_args)
+from .conftest import (
+    CKPT_STEP,
+    MODES,
+    NVME_MODES,
+    STEPS,
+    final_state,
+    losses,
+    max_rel_diff,
+    run,
+    run_and_kill,
+    train_args,
+)
 
 # The first test's set-up may include the op's one-time build (about 4 minutes on 2 idle cores) and
 # the world-size-2 reference runs: more than the suite's per-test limit.
@@ -58,8 +68,11 @@ def test_nvme_checkpoint_resumes_at_another_world_size(runs, tmp_path):
     for mode in ("z3-nvme-2", "z3-cpu-wider-2"):
         ckpt = runs.get(mode) / "checkpoints" / f"step_{CKPT_STEP:08d}"
         outs[mode] = tmp_path / mode
-        run(1, train_args(runs.recipe, outs[mode], [*MODES[mode][1], f"checkpoint.resume={ckpt}"]),
-            tmp_path / f"{mode}.log")
+        run(
+            1,
+            train_args(runs.recipe, outs[mode], [*MODES[mode][1], f"checkpoint.resume={ckpt}"]),
+            tmp_path / f"{mode}.log",
+        )
     got, cpu = final_state(outs["z3-nvme-2"]), final_state(outs["z3-cpu-wider-2"])
     for key in ("weights", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(getattr(got, key)[k], getattr(cpu, key)[k]) for k in cpu.weights), key

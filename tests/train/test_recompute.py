@@ -10,8 +10,15 @@ from baton.train.backends import lm_loss
 from baton.train.config import RecomputeConfig
 from baton.train.recompute import EagerAttention, SelectiveRecompute, activation_bytes, apply_recompute
 
-CFG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=512)
+CFG = ModelConfig(
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 MODES = [RecomputeConfig("none"), RecomputeConfig("selective"), RecomputeConfig("full"), RecomputeConfig("full", 2)]
 
 

@@ -40,15 +40,18 @@ def test_killed_run_resumes_to_the_same_weights(runs, mode, tmp_path):
     assert len(losses(out)) == STEPS  # the log was cut back to the checkpoint, not duplicated
 
 
-@pytest.mark.parametrize("source, target", [
-    ("ddp-2", "torch-1"),  # 2 -> 1, plain PyTorch
-    ("z1-2", "z1-1"),  # 2 -> 1: ZeRO-1/2 have no DeepSpeed conversion at all
-    ("z2-2", "z2-1"),
-    ("z3-2", "z3-1"),
-    ("z2-1", "z2-2"),  # 1 -> 2
-    ("z3-1", "z3-2"),
-    ("z3-offload-cpuadam-2", "torch-1"),  # any layout to any other, DeepSpeedCPUAdam state included
-])
+@pytest.mark.parametrize(
+    "source, target",
+    [
+        ("ddp-2", "torch-1"),  # 2 -> 1, plain PyTorch
+        ("z1-2", "z1-1"),  # 2 -> 1: ZeRO-1/2 have no DeepSpeed conversion at all
+        ("z2-2", "z2-1"),
+        ("z3-2", "z3-1"),
+        ("z2-1", "z2-2"),  # 1 -> 2
+        ("z3-1", "z3-2"),
+        ("z3-offload-cpuadam-2", "torch-1"),  # any layout to any other, DeepSpeedCPUAdam state included
+    ],
+)
 def test_resume_at_another_world_size(runs, source, target, tmp_path):
     reference = runs.get(source)
     ckpt = reference / "checkpoints" / f"step_{CKPT_STEP:08d}"
@@ -56,8 +59,11 @@ def test_resume_at_another_world_size(runs, source, target, tmp_path):
     out = tmp_path / "run"
     run(nproc, train_args(runs.recipe, out, [*overrides, f"checkpoint.resume={ckpt}"]), tmp_path / "resumed.log")
     state = json.loads((out / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())
-    assert state["layout"]["world_size"] == nproc and state["data"] == json.loads(
-        (reference / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())["data"]
+    assert (
+        state["layout"]["world_size"] == nproc
+        and state["data"]
+        == json.loads((reference / "checkpoints" / f"step_{STEPS:08d}" / "trainer_state.json").read_text())["data"]
+    )
     got, want = final_state(out), final_state(reference)
     for key in ("weights", "exp_avg", "exp_avg_sq"):
         assert max_rel_diff(getattr(got, key), getattr(want, key)) < 1e-5, key

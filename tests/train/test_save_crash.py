@@ -40,6 +40,7 @@ def _pause_after_matching_writes() -> None:
                 os.replace(markers / f".rank{rank}", markers / f"rank{rank}")  # whole, or not there
                 time.sleep(300)  # the test kills us here; should it not, the run goes on and the test fails
             return out
+
         return paused
 
     torch.save = wrap(torch.save)
@@ -66,8 +67,9 @@ pytestmark = pytest.mark.slow
 STAGING = f".step_{STEPS:08d}.tmp-*"  # atomic_directory's hidden temporary sibling of step_00000020
 
 
-def run_until_paused(nproc: int, args: list[str], pause_after: str, writers: int, markers: Path, log: Path,
-                     timeout: float = 240) -> subprocess.Popen:
+def run_until_paused(
+    nproc: int, args: list[str], pause_after: str, writers: int, markers: Path, log: Path, timeout: float = 240
+) -> subprocess.Popen:
     """Start the run with the write hook and return once `writers` ranks have stopped after
     writing a `pause_after` file into the new checkpoint's staging directory (still running)."""
     env = {**environment(nproc), PAUSE: f"{STAGING}/{pause_after}", MARKERS: str(markers)}
@@ -76,8 +78,9 @@ def run_until_paused(nproc: int, args: list[str], pause_after: str, writers: int
     deadline = time.monotonic() + timeout
     while len(list(markers.glob("rank*"))) < writers:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended ({proc.returncode}) before it paused in its save:\n"
-                                 f"{log.read_text()[-6000:]}")
+            raise AssertionError(
+                f"the run ended ({proc.returncode}) before it paused in its save:\n{log.read_text()[-6000:]}"
+            )
         if time.monotonic() > deadline:
             kill_tree(proc.pid)
             raise AssertionError(f"timed out waiting for {writers} ranks to write {pause_after}")
@@ -115,8 +118,9 @@ def test_run_killed_while_writing_shards_resumes_from_the_previous_checkpoint(re
         staging = list(root.glob(STAGING))
         assert len(staging) == 1 and proc.poll() is None, (staging, proc.returncode)
         assert not (root / new).exists(), "the new checkpoint was already in place"
-        assert list(staging[0].glob(pause_after)) and not list(staging[0].glob(unwritten)), \
-            sorted(p.relative_to(staging[0]).as_posix() for p in staging[0].rglob("*"))
+        assert list(staging[0].glob(pause_after)) and not list(staging[0].glob(unwritten)), sorted(
+            p.relative_to(staging[0]).as_posix() for p in staging[0].rglob("*")
+        )
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         assert len(tree) > nproc, "torchrun and its workers are not all running"
     finally:
@@ -140,8 +144,9 @@ def test_run_killed_while_writing_shards_resumes_from_the_previous_checkpoint(re
     # The same command resumes from it, writes step 20 properly this time and clears the leftover.
     log = tmp_path / "resumed.log"
     with open(log, "w") as f:
-        done = subprocess.run(command(nproc, args), env=environment(nproc), stdout=f, stderr=subprocess.STDOUT,
-                              timeout=240)
+        done = subprocess.run(
+            command(nproc, args), env=environment(nproc), stdout=f, stderr=subprocess.STDOUT, timeout=240
+        )
     assert done.returncode == 0, log.read_text()[-6000:]
     assert f"resumed from {previous}" in log.read_text()
     assert list_checkpoints(root) == [previous, root / new] and not list(root.glob(STAGING))

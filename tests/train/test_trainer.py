@@ -69,8 +69,10 @@ def test_same_seed_same_run_other_seed_other_run(cfg_for):
     a = train(cfg_for("max_steps=6", "export=false", out="a"))
     b = train(cfg_for("max_steps=6", "export=false", out="b"))
     c = train(cfg_for("max_steps=6", "export=false", "seed=7", out="c"))
-    losses = [[r["loss"] for r in map(json.loads, (p.parent.parent / "metrics.jsonl").read_text().splitlines())]
-              for p in (a.checkpoint_dir, b.checkpoint_dir, c.checkpoint_dir)]
+    losses = [
+        [r["loss"] for r in map(json.loads, (p.parent.parent / "metrics.jsonl").read_text().splitlines())]
+        for p in (a.checkpoint_dir, b.checkpoint_dir, c.checkpoint_dir)
+    ]
     assert losses[0] == losses[1] != losses[2]
 
 
@@ -135,7 +137,9 @@ def test_non_finite_steps_are_skipped_and_leave_the_weights_alone(cfg_for, monke
     assert seen[2] == seen[3] == (False, True)  # steps 3, 4: skipped, weights untouched
     assert all(applied and not same for applied, same in seen[:2] + seen[4:])
     assert "non-finite loss" in caplog.text
-    records = [json.loads(line) for line in (result.checkpoint_dir.parent.parent / "metrics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line) for line in (result.checkpoint_dir.parent.parent / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records if r["skipped"]] == [3, 4]
 
 
@@ -153,8 +157,16 @@ def test_too_many_non_finite_steps_in_a_row_stop_with_the_last_good_checkpoint(c
 def test_logs_tensorboard_plot_and_mfu(cfg_for, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    train(cfg_for("max_steps=10", "logging.plot=true", "logging.tensorboard=true", "logging.mfu=true",
-                  "log_interval=2", "eval_interval=5"))
+    train(
+        cfg_for(
+            "max_steps=10",
+            "logging.plot=true",
+            "logging.tensorboard=true",
+            "logging.mfu=true",
+            "log_interval=2",
+            "eval_interval=5",
+        )
+    )
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2, 4, 5, 6, 8, 10]

@@ -25,6 +25,7 @@ from .conftest import TINY
 @pytest.fixture
 def no_process_group(monkeypatch):
     """Any attempt to make a process group fails the test (as an unexpected error, not exit 2)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a process group was started")
 
@@ -38,35 +39,55 @@ X, E = "deepspeed.extra=", "deepspeed.extra."  # an extra override; the start of
 NVME = "{zero_optimization: {offload_optimizer: {device: nvme, nvme_path: /tmp}}}"
 
 
-@pytest.mark.parametrize("override, message", [
-    ([*DS, X + "{zero_optimization: {stage: 3}}"], E + "zero_optimization.stage=3 disagrees with deepspeed.stage=0"),
-    ([*DS, "deepspeed.stage=2", X + NVME], E + "zero_optimization.offload_optimizer.device: nvme needs ZeRO stage 3; "
-                                              "at stage 1/2 DeepSpeed silently offloads to CPU memory"),
-    ([*DS, "deepspeed.stage=1", X + NVME], E + "zero_optimization.offload_optimizer.device: nvme needs ZeRO stage 3"),
-    ([*DS, "deepspeed.stage=2", X + "{zero_optimization: {offload_optimizer: {device: cpu}}}"],
-     E + "zero_optimization.offload_optimizer.device='cpu' disagrees with deepspeed.offload_optimizer='none'"),
-    ([*DS, "deepspeed.stage=3", X + "{zero_optimization: {offload_param: {device: cpu}}}"],
-     E + "zero_optimization.offload_param.device='cpu' disagrees with deepspeed.offload_param='none'"),
-    ([*DS, X + "{zero_optimization: true}"], E + "zero_optimization must be a mapping"),
-    ([*DS, X + "{zero_optimization: {cpu_offload: true}}"], E + "zero_optimization.cpu_offload: old spellings"),
-    ([*DS, X + "{train_micro_batch_size_per_gpu: 2}"],
-     E + "train_micro_batch_size_per_gpu=2 disagrees with micro_batch_size=4"),
-    ([*DS, X + "{gradient_accumulation_steps: 1}"],
-     E + "gradient_accumulation_steps=1 disagrees with the recipe's 2 accumulation steps"),
-    ([*DS, X + "{train_batch_size: 16}"], E + "train_batch_size=16 disagrees with the recipe's global batch of 8"),
-    ([*DS, X + "{gradient_clipping: 0.5}"], E + "gradient_clipping=0.5 disagrees with optim.grad_clip"),
-    ([*DS, X + "{bf16: {enabled: true}}"], E + "bf16.enabled=True disagrees with the recipe's dtype"),
-    ([*DS, X + "{fp16: {enabled: true}}"], E + "fp16.enabled=True disagrees with the recipe's dtype"),
-    ([*DS, X + "{bfloat16: {enabled: true}}"], E + "bfloat16.enabled=True disagrees"),
-    ([*DS, X + "{torch_autocast: {enabled: true}}"], E + "torch_autocast.enabled=True disagrees"),
-    ([*DS, X + "{communication_data_type: fp16}"], E + "communication_data_type='fp16'"),
-    ([*DS, X + "{optimizer: {type: Adam}}"], E + "optimizer is not allowed"),
-    ([*DS, X + "{scheduler: {type: WarmupLR}}"], E + "scheduler is not allowed"),
-    ([*DS, X + "{zero_force_ds_cpu_optimizer: true}"], E + "zero_force_ds_cpu_optimizer=True"),
-    ([*DS, X + "{checkpoint: {load_universal: true}}"], E + "checkpoint.load_universal is not allowed"),
-    (["deepspeed.stage=3"], "the deepspeed section needs backend: deepspeed"),  # backend torch would ignore it
-    ([X + "{zero_optimization: {stage: 3}}"], "the deepspeed section needs backend: deepspeed"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            [*DS, X + "{zero_optimization: {stage: 3}}"],
+            E + "zero_optimization.stage=3 disagrees with deepspeed.stage=0",
+        ),
+        (
+            [*DS, "deepspeed.stage=2", X + NVME],
+            E + "zero_optimization.offload_optimizer.device: nvme needs ZeRO stage 3; "
+            "at stage 1/2 DeepSpeed silently offloads to CPU memory",
+        ),
+        (
+            [*DS, "deepspeed.stage=1", X + NVME],
+            E + "zero_optimization.offload_optimizer.device: nvme needs ZeRO stage 3",
+        ),
+        (
+            [*DS, "deepspeed.stage=2", X + "{zero_optimization: {offload_optimizer: {device: cpu}}}"],
+            E + "zero_optimization.offload_optimizer.device='cpu' disagrees with deepspeed.offload_optimizer='none'",
+        ),
+        (
+            [*DS, "deepspeed.stage=3", X + "{zero_optimization: {offload_param: {device: cpu}}}"],
+            E + "zero_optimization.offload_param.device='cpu' disagrees with deepspeed.offload_param='none'",
+        ),
+        ([*DS, X + "{zero_optimization: true}"], E + "zero_optimization must be a mapping"),
+        ([*DS, X + "{zero_optimization: {cpu_offload: true}}"], E + "zero_optimization.cpu_offload: old spellings"),
+        (
+            [*DS, X + "{train_micro_batch_size_per_gpu: 2}"],
+            E + "train_micro_batch_size_per_gpu=2 disagrees with micro_batch_size=4",
+        ),
+        (
+            [*DS, X + "{gradient_accumulation_steps: 1}"],
+            E + "gradient_accumulation_steps=1 disagrees with the recipe's 2 accumulation steps",
+        ),
+        ([*DS, X + "{train_batch_size: 16}"], E + "train_batch_size=16 disagrees with the recipe's global batch of 8"),
+        ([*DS, X + "{gradient_clipping: 0.5}"], E + "gradient_clipping=0.5 disagrees with optim.grad_clip"),
+        ([*DS, X + "{bf16: {enabled: true}}"], E + "bf16.enabled=True disagrees with the recipe's dtype"),
+        ([*DS, X + "{fp16: {enabled: true}}"], E + "fp16.enabled=True disagrees with the recipe's dtype"),
+        ([*DS, X + "{bfloat16: {enabled: true}}"], E + "bfloat16.enabled=True disagrees"),
+        ([*DS, X + "{torch_autocast: {enabled: true}}"], E + "torch_autocast.enabled=True disagrees"),
+        ([*DS, X + "{communication_data_type: fp16}"], E + "communication_data_type='fp16'"),
+        ([*DS, X + "{optimizer: {type: Adam}}"], E + "optimizer is not allowed"),
+        ([*DS, X + "{scheduler: {type: WarmupLR}}"], E + "scheduler is not allowed"),
+        ([*DS, X + "{zero_force_ds_cpu_optimizer: true}"], E + "zero_force_ds_cpu_optimizer=True"),
+        ([*DS, X + "{checkpoint: {load_universal: true}}"], E + "checkpoint.load_universal is not allowed"),
+        (["deepspeed.stage=3"], "the deepspeed section needs backend: deepspeed"),  # backend torch would ignore it
+        ([X + "{zero_optimization: {stage: 3}}"], "the deepspeed section needs backend: deepspeed"),
+    ],
+)
 def test_a_pass_through_cannot_reopen_a_trap(recipe, tmp_path, capsys, no_process_group, override, message):
     out = tmp_path / "run"
     assert main(["train", "--config", str(recipe), f"out_dir={out}", *override]) == 2
@@ -79,8 +100,10 @@ def test_extra_keys_that_agree_or_only_tune_pass(recipe):
     from baton.train.config import load_config
     from baton.train.deepspeed_config import ds_config
 
-    extra = "{train_batch_size: 8, gradient_accumulation_steps: 2, bf16: {enabled: false}, zero_optimization: " \
-            "{stage: 2, reduce_bucket_size: 1000}}"
+    extra = (
+        "{train_batch_size: 8, gradient_accumulation_steps: 2, bf16: {enabled: false}, zero_optimization: "
+        "{stage: 2, reduce_bucket_size: 1000}}"
+    )
     cfg = load_config(recipe, [*DS, "deepspeed.stage=2", f"deepspeed.extra={extra}"])
     conf = ds_config(cfg, 1)
     assert conf["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 1000} and conf["train_batch_size"] == 8
@@ -89,12 +112,18 @@ def test_extra_keys_that_agree_or_only_tune_pass(recipe):
 def test_the_cli_refuses_a_bad_extra_before_starting_anything(recipe, tmp_path):
     """`baton train --config X` as a user runs it: exit 2, one line, nothing written."""
     raw = yaml.safe_load(recipe.read_text())
-    raw.update(backend="deepspeed", out_dir=str(tmp_path / "run"),
-               deepspeed={"extra": {"zero_optimization": {"stage": 3}}})
+    raw.update(
+        backend="deepspeed", out_dir=str(tmp_path / "run"), deepspeed={"extra": {"zero_optimization": {"stage": 3}}}
+    )
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(raw))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "MASTER_"))}
-    proc = subprocess.run([sys.executable, "-m", "baton.common.cli", "train", "--config", str(tmp_path / "bad.yaml")],
-                          capture_output=True, text=True, timeout=300, env={**env, "DS_ACCELERATOR": "cpu"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton.common.cli", "train", "--config", str(tmp_path / "bad.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "DS_ACCELERATOR": "cpu"},
+    )
     assert proc.returncode == 2, proc.stderr
     assert "baton train: error: invalid training config: deepspeed.extra.zero_optimization.stage=3" in proc.stderr
     assert "Traceback" not in proc.stderr and "process group" not in proc.stderr.lower()
@@ -110,14 +139,20 @@ def test_the_model_section_cannot_shrink_the_vocabulary(recipe, tmp_path, capsys
 
 # ---------------------------------------------------------------- resuming on other inputs
 
+
 @pytest.fixture
 def trained(corpus, tmp_path):
     """A 2-step run on its own copy of the corpus: (recipe, out_dir, corpus copy)."""
     data = tmp_path / "data" / "text.txt"
     data.parent.mkdir()
     shutil.copy(corpus, data)
-    raw = {**TINY, "data": {**TINY["data"], "path": str(data), "cache_dir": str(tmp_path / "cache")},
-           "max_steps": 2, "export": False, "out_dir": str(tmp_path / "run")}
+    raw = {
+        **TINY,
+        "data": {**TINY["data"], "path": str(data), "cache_dir": str(tmp_path / "cache")},
+        "max_steps": 2,
+        "export": False,
+        "out_dir": str(tmp_path / "run"),
+    }
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     assert main(["train", "--config", str(recipe)]) == 0
@@ -176,8 +211,9 @@ def test_moved_data_resumes_and_a_mismatch_can_be_allowed(trained, tmp_path, cap
     assert main(["train", "--config", str(recipe), "max_steps=3", f"data.path={moved}"]) == 0
     assert (out / "checkpoints" / "step_00000003").is_dir()
     with caplog.at_level(logging.WARNING, logger="baton.train.provenance"):
-        assert main(["train", "--config", str(recipe), "max_steps=4", "data.seq_len=16",
-                     "--allow-resume-mismatch"]) == 0
+        assert (
+            main(["train", "--config", str(recipe), "max_steps=4", "data.seq_len=16", "--allow-resume-mismatch"]) == 0
+        )
     assert "data.seq_len was 32 in the checkpoint, is 16 now" in caplog.text
     assert (out / "checkpoints" / "step_00000004").is_dir()
 

@@ -39,8 +39,10 @@ class DDPBackend:
         self.named = dict(model.named_parameters())
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        losses = [self._forward_backward(mb, i == len(micro_batches) - 1, len(micro_batches))
-                  for i, mb in enumerate(micro_batches)]
+        losses = [
+            self._forward_backward(mb, i == len(micro_batches) - 1, len(micro_batches))
+            for i, mb in enumerate(micro_batches)
+        ]
         loss = step_loss(self.dist, torch.stack(losses).sum(), len(micro_batches))
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else math.inf).item()
@@ -93,14 +95,24 @@ class DDPBackend:
         self.optimizer.state.clear()
         if state.step > 0:
             for n, p in self.named.items():  # AdamW keeps `step` as a float32 scalar tensor per parameter
-                self.optimizer.state[p] = {"step": torch.tensor(float(state.step), dtype=torch.float32),
-                                           "exp_avg": state.exp_avg[n].to(p.device, copy=True),
-                                           "exp_avg_sq": state.exp_avg_sq[n].to(p.device, copy=True)}
+                self.optimizer.state[p] = {
+                    "step": torch.tensor(float(state.step), dtype=torch.float32),
+                    "exp_avg": state.exp_avg[n].to(p.device, copy=True),
+                    "exp_avg_sq": state.exp_avg_sq[n].to(p.device, copy=True),
+                }
 
     def memory(self) -> dict[str, Any]:
         """Bytes of model state on this rank, by kind and where it lives."""
         params = sum(p.numel() * p.element_size() for p in self.named.values())
-        optim = sum(t.numel() * t.element_size() for st in self.optimizer.state.values()
-                    for t in st.values() if torch.is_tensor(t))
-        return {"accelerator": {"params": params, "grads": params, "optimizer": optim}, "host": {}, "nvme": {},
-                "parameters": params // 4}
+        optim = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t)
+        )
+        return {
+            "accelerator": {"params": params, "grads": params, "optimizer": optim},
+            "host": {},
+            "nvme": {},
+            "parameters": params // 4,
+        }

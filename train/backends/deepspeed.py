@@ -130,7 +130,8 @@ class DeepSpeedBackend:
         else:
             optimizer = (_SkipNonFiniteAdamW if d.stage == 0 else torch.optim.AdamW)(groups, **kw)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=ds_config(cfg, dist.world_size), dist_init_required=False)
+            model=model, optimizer=optimizer, config=ds_config(cfg, dist.world_size), dist_init_required=False
+        )
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         losses = []
@@ -218,8 +219,9 @@ class DeepSpeedBackend:
         g = opt.param_groups[0]
         dummy = [torch.zeros(1) for _ in range(4)]  # param, grad, exp_avg, exp_avg_sq
         for t in range(1, steps + 1):
-            opt.ds_opt_adam.adam_update(opt.opt_id, t, g["lr"], *g["betas"], g["eps"], g["weight_decay"],
-                                        g["bias_correction"], *dummy)
+            opt.ds_opt_adam.adam_update(
+                opt.opt_id, t, g["lr"], *g["betas"], g["eps"], g["weight_decay"], g["bias_correction"], *dummy
+            )
 
     def _named(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.engine.module.named_parameters())
@@ -229,7 +231,9 @@ class DeepSpeedBackend:
         import deepspeed
 
         for name, p in self._named().items():
-            ctx = deepspeed.zero.GatheredParameters([p], modifier_rank=0) if self.stage == 3 else contextlib.nullcontext()
+            ctx = (
+                deepspeed.zero.GatheredParameters([p], modifier_rank=0) if self.stage == 3 else contextlib.nullcontext()
+            )
             with ctx:
                 if self.stage < 3 or self.dist.is_main:
                     p.data.copy_(state.weights[name])
@@ -250,9 +254,11 @@ class DeepSpeedBackend:
             opt = self.engine.optimizer
             opt.state.clear()
             for name, p in self._named().items():
-                opt.state[p] = {"step": torch.tensor(float(state.step), dtype=torch.float32),
-                                "exp_avg": state.exp_avg[name].to(p.device, copy=True),
-                                "exp_avg_sq": state.exp_avg_sq[name].to(p.device, copy=True)}
+                opt.state[p] = {
+                    "step": torch.tensor(float(state.step), dtype=torch.float32),
+                    "exp_avg": state.exp_avg[name].to(p.device, copy=True),
+                    "exp_avg_sq": state.exp_avg_sq[name].to(p.device, copy=True),
+                }
             return
         self._materialize_optimizer_state(state.step)
         for key in MOMENTS:

@@ -32,8 +32,9 @@ LAYOUT_FILE = "parallel_layout.json"
 
 
 class Torch3DBackend:
-    def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist,
-                 par: ParallelConfig | None = None):
+    def __init__(
+        self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist, par: ParallelConfig | None = None
+    ):
         par = par if par is not None else cfg.parallel
         accum = cfg.accum_steps(data_parallel_size(par, dist.world_size))  # the pipeline's micro-batches
         self.layout3d = check_layout(par, model.config, dist.world_size, accum, cfg.data.seq_len)
@@ -57,11 +58,12 @@ class Torch3DBackend:
 
     def load(self, directory: Path, saved: Layout) -> None:
         if saved.backend != "torch3d":
-            raise ConfigError(f"{directory} was written by backend {saved.backend!r}; backend torch3d resumes only "
-                              "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start "
-                              "from its exported weights")
+            raise ConfigError(
+                f"{directory} was written by backend {saved.backend!r}; backend torch3d resumes only "
+                "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start "
+                "from its exported weights"
+            )
         checkpoint.load(self.engine, directory / DCP_DIR)
 
     def memory(self) -> dict[str, Any]:
         return self.engine.memory()
-

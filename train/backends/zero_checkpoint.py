@@ -74,8 +74,11 @@ def _nvme_shard(path: Path) -> dict[str, Any]:
         flat = {k: f.get_tensor(k) for k in f.keys()}
     groups = range(sum(k.startswith("fp32/") for k in flat))
     state = {g: {"step": step, **{key: flat[f"{key}/{g}"] for key in MOMENTS}} for g in groups}
-    return {"zero_stage": 3, "fp32_flat_groups": [flat[f"fp32/{g}"] for g in groups],
-            "optimizer_state_dict": {"state": state}}
+    return {
+        "zero_stage": 3,
+        "fp32_flat_groups": [flat[f"fp32/{g}"] for g in groups],
+        "optimizer_state_dict": {"state": state},
+    }
 
 
 def _read_stage0(tag: Path, group_names: list[list[str]], with_optimizer: bool) -> UniversalState:

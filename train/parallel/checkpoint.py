@@ -15,8 +15,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from baton.train.parallel.parallelize import Parallel3D
 from baton.train.universal import UniversalState
@@ -27,10 +32,14 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _state(engine: Parallel3D) -> tuple[dict, list[tuple[dict, dict]]]:
     """The DCP state dict of this rank, and each chunk's (model, optimizer) parts of it."""
-    parts = [(get_model_state_dict(c), get_optimizer_state_dict(c, o, options=FLAT))
-             for c, o in zip(engine.chunks, engine.optimizers)]
-    merged = {"model": {k: v for m, _ in parts for k, v in m.items()},
-              "optim": {k: v for _, o in parts for k, v in o.items()}}
+    parts = [
+        (get_model_state_dict(c), get_optimizer_state_dict(c, o, options=FLAT))
+        for c, o in zip(engine.chunks, engine.optimizers)
+    ]
+    merged = {
+        "model": {k: v for m, _ in parts for k, v in m.items()},
+        "optim": {k: v for _, o in parts for k, v in o.items()},
+    }
     return merged, parts
 
 
@@ -53,9 +62,12 @@ def read_dcp(directory: str | Path, with_optimizer: bool = True) -> UniversalSta
     resume with the plain-PyTorch backend)."""
     reader = FileSystemReader(str(directory))
     meta = reader.read_metadata().state_dict_metadata
-    wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-              if isinstance(m, TensorStorageMetadata)
-              and (k.startswith("model.") or (with_optimizer and k.startswith("optim.state.")))}
+    wanted = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in meta.items()
+        if isinstance(m, TensorStorageMetadata)
+        and (k.startswith("model.") or (with_optimizer and k.startswith("optim.state.")))
+    }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(wanted, storage_reader=reader, no_dist=True)
@@ -71,4 +83,3 @@ def read_dcp(directory: str | Path, with_optimizer: bool = True) -> UniversalSta
         elif kind == "step":
             step = int(t.item())
     return UniversalState(weights, moments["exp_avg"], moments["exp_avg_sq"], step)
-

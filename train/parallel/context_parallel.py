@@ -24,7 +24,9 @@ import torch.distributed as dist
 def zigzag_indices(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """Global positions held by `rank`: chunks rank and 2*cp-1-rank of 2*cp."""
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    return torch.cat(
+        [torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+    )
 
 
 def zigzag_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
@@ -35,8 +37,10 @@ def _ring_exchange(send: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.
     """Start sending `send` to the next rank and receiving the previous rank's into a new buffer."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     recv = torch.empty_like(send)
-    ops = [dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group),
-           dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group)]
+    ops = [
+        dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % size), group),
+        dist.P2POp(dist.irecv, recv, dist.get_global_rank(group, (rank - 1) % size), group),
+    ]
     return recv, dist.batch_isend_irecv(ops)
 
 
@@ -79,8 +83,10 @@ class _RingAttention(torch.autograd.Function):
             lse_b = torch.logsumexp(s, dim=-1)
             out_b = torch.exp(s - lse_b[..., None]) @ vb
             new = torch.logaddexp(lse[:, :, rows], lse_b)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
-                               + out_b * torch.exp(lse_b - new)[..., None])
+            out[:, :, rows] = (
+                out[:, :, rows] * torch.exp(lse[:, :, rows] - new)[..., None]
+                + out_b * torch.exp(lse_b - new)[..., None]
+            )
             lse[:, :, rows] = new
             if step < size - 1:
                 for r in reqs:

@@ -50,8 +50,12 @@ class Layout3D:
         return self.pp * self.stages_per_rank
 
     def describe(self) -> str:
-        parts = [f"dp={self.dp}" + (f"({self.dp_mode})" if self.dp * self.cp > 1 else ""), f"pp={self.pp}",
-                 f"cp={self.cp}", f"tp={self.tp}"]
+        parts = [
+            f"dp={self.dp}" + (f"({self.dp_mode})" if self.dp * self.cp > 1 else ""),
+            f"pp={self.pp}",
+            f"cp={self.cp}",
+            f"tp={self.tp}",
+        ]
         if self.tp > 1 and self.sequence_parallel:
             parts.append("sp")
         if self.pp > 1:
@@ -59,8 +63,7 @@ class Layout3D:
         return " ".join(parts)
 
 
-def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, microbatches: int,
-                 seq_len: int) -> Layout3D:
+def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, microbatches: int, seq_len: int) -> Layout3D:
     """Resolve `par` for `world_size`, or raise ConfigError naming the first impossibility.
 
     `microbatches`: micro-batches each data-parallel rank runs per optimizer step (the pipeline's
@@ -73,57 +76,99 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
     for name in ("tp", "pp", "cp", "pp_stages_per_rank"):
         v = getattr(par, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive integer, got {v!r}")
-    need(isinstance(par.dp, int) and (par.dp >= 1 or par.dp == -1), f"dp must be a positive integer or -1, got {par.dp!r}")
+    need(
+        isinstance(par.dp, int) and (par.dp >= 1 or par.dp == -1),
+        f"dp must be a positive integer or -1, got {par.dp!r}",
+    )
     need(par.pp_schedule in SCHEDULES, f"pp_schedule must be one of {SCHEDULES}, got {par.pp_schedule!r}")
     need(par.dp_mode in DP_MODES, f"dp_mode must be one of {DP_MODES}, got {par.dp_mode!r}")
     inner = par.tp * par.pp * par.cp
-    need(world_size % inner == 0, f"world size {world_size} is not divisible by tp x pp x cp = "
-         f"{par.tp} x {par.pp} x {par.cp} = {inner}")
+    need(
+        world_size % inner == 0,
+        f"world size {world_size} is not divisible by tp x pp x cp = {par.tp} x {par.pp} x {par.cp} = {inner}",
+    )
     dp = world_size // inner if par.dp == -1 else par.dp
-    need(dp * inner == world_size, f"dp x tp x pp x cp = {dp} x {par.tp} x {par.pp} x {par.cp} = {dp * inner} "
-         f"!= world size {world_size}")
+    need(
+        dp * inner == world_size,
+        f"dp x tp x pp x cp = {dp} x {par.tp} x {par.pp} x {par.cp} = {dp * inner} != world size {world_size}",
+    )
 
     tp = par.tp
     if tp > 1:
-        need(model.num_attention_heads % tp == 0,
-             f"num_attention_heads {model.num_attention_heads} is not divisible by tp={tp}")
-        need(model.num_key_value_heads % tp == 0,
-             f"num_key_value_heads {model.num_key_value_heads} is not divisible by tp={tp} (GQA key/value heads "
-             "are split across tensor-parallel ranks, not replicated)")
-        need(model.intermediate_size % tp == 0, f"intermediate_size {model.intermediate_size} is not divisible by tp={tp}")
+        need(
+            model.num_attention_heads % tp == 0,
+            f"num_attention_heads {model.num_attention_heads} is not divisible by tp={tp}",
+        )
+        need(
+            model.num_key_value_heads % tp == 0,
+            f"num_key_value_heads {model.num_key_value_heads} is not divisible by tp={tp} (GQA key/value heads "
+            "are split across tensor-parallel ranks, not replicated)",
+        )
+        need(
+            model.intermediate_size % tp == 0,
+            f"intermediate_size {model.intermediate_size} is not divisible by tp={tp}",
+        )
         need(model.num_local_experts == 0, "tensor parallelism of MoE experts is not supported (use tp=1)")
-        need(not par.sequence_parallel or seq_len % (tp * par.cp) == 0,
-             f"sequence parallelism needs seq_len {seq_len} divisible by tp x cp = {tp * par.cp}")
-        need(par.dp_mode == "fsdp" or dp * par.cp == 1,
-             "dp_mode ddp cannot wrap tensor-parallel (DTensor) parameters: use dp_mode fsdp")
+        need(
+            not par.sequence_parallel or seq_len % (tp * par.cp) == 0,
+            f"sequence parallelism needs seq_len {seq_len} divisible by tp x cp = {tp * par.cp}",
+        )
+        need(
+            par.dp_mode == "fsdp" or dp * par.cp == 1,
+            "dp_mode ddp cannot wrap tensor-parallel (DTensor) parameters: use dp_mode fsdp",
+        )
 
     stages = par.pp * par.pp_stages_per_rank
-    need(stages <= model.num_hidden_layers,
-         f"{stages} pipeline stages (pp={par.pp} x pp_stages_per_rank={par.pp_stages_per_rank}) but only "
-         f"{model.num_hidden_layers} layers: every stage needs at least one layer")
+    need(
+        stages <= model.num_hidden_layers,
+        f"{stages} pipeline stages (pp={par.pp} x pp_stages_per_rank={par.pp_stages_per_rank}) but only "
+        f"{model.num_hidden_layers} layers: every stage needs at least one layer",
+    )
     if par.pp_schedule == "interleaved_1f1b":
         need(par.pp_stages_per_rank >= 2, "pp_schedule interleaved_1f1b needs pp_stages_per_rank >= 2")
     else:
-        need(par.pp_stages_per_rank == 1, f"pp_schedule {par.pp_schedule} runs one stage per rank: set "
-             "pp_stages_per_rank=1, or use interleaved_1f1b")
+        need(
+            par.pp_stages_per_rank == 1,
+            f"pp_schedule {par.pp_schedule} runs one stage per rank: set pp_stages_per_rank=1, or use interleaved_1f1b",
+        )
     if par.pp > 1:
-        need(not model.tie_word_embeddings, "tie_word_embeddings with pp > 1: the embedding and the LM head "
-             "live on different pipeline stages")
+        need(
+            not model.tie_word_embeddings,
+            "tie_word_embeddings with pp > 1: the embedding and the LM head live on different pipeline stages",
+        )
         if par.pp_schedule != "gpipe":
-            need(microbatches >= par.pp, f"{par.pp_schedule} needs at least as many micro-batches per step as "
-                 f"pipeline ranks: {microbatches} micro-batches < pp={par.pp} (raise global_batch_size or "
-                 "grad_accum_steps, or use gpipe)")
+            need(
+                microbatches >= par.pp,
+                f"{par.pp_schedule} needs at least as many micro-batches per step as "
+                f"pipeline ranks: {microbatches} micro-batches < pp={par.pp} (raise global_batch_size or "
+                "grad_accum_steps, or use gpipe)",
+            )
         if par.pp_schedule == "interleaved_1f1b":
             rounds = max(1, microbatches // par.pp)
-            need(microbatches % rounds == 0, f"interleaved_1f1b needs the micro-batches ({microbatches}) to be a "
-                 f"multiple of {rounds} (micro-batches // pp)")
+            need(
+                microbatches % rounds == 0,
+                f"interleaved_1f1b needs the micro-batches ({microbatches}) to be a "
+                f"multiple of {rounds} (micro-batches // pp)",
+            )
 
     if par.cp > 1:
-        need(seq_len % (2 * par.cp) == 0, f"context parallelism needs seq_len {seq_len} divisible by 2 x cp = "
-             f"{2 * par.cp} (zigzag load balancing gives each rank two chunks)")
+        need(
+            seq_len % (2 * par.cp) == 0,
+            f"context parallelism needs seq_len {seq_len} divisible by 2 x cp = "
+            f"{2 * par.cp} (zigzag load balancing gives each rank two chunks)",
+        )
         need(model.sliding_window is None, "context parallelism with sliding-window attention is not supported")
-    return Layout3D(dp, par.pp, par.cp, tp, par.sequence_parallel and tp > 1, par.loss_parallel and tp > 1,
-                    par.pp_schedule, par.pp_stages_per_rank, par.dp_mode)
+    return Layout3D(
+        dp,
+        par.pp,
+        par.cp,
+        tp,
+        par.sequence_parallel and tp > 1,
+        par.loss_parallel and tp > 1,
+        par.pp_schedule,
+        par.pp_stages_per_rank,
+        par.dp_mode,
+    )
 
 
 def data_parallel_size(par: ParallelConfig, world_size: int) -> int:

@@ -47,13 +47,22 @@ def _value(t: torch.Tensor) -> torch.Tensor:
 class Parallel3D:
     """A model replica's local part (this rank's stages and shards), its optimizer, and the step."""
 
-    def __init__(self, model: CausalLM, mesh: Mesh3D, microbatches: int, optim: OptimConfig,
-                 attn: AttentionBackend | None = None, recompute: RecomputeConfig | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        mesh: Mesh3D,
+        microbatches: int,
+        optim: OptimConfig,
+        attn: AttentionBackend | None = None,
+        recompute: RecomputeConfig | None = None,
+    ):
         """`attn`: the attention backend the caller set up (e.g. by apply_recompute); or pass
         `recompute` to have it applied here, after tensor parallelism."""
         lay = self.layout = mesh.layout
         self.mesh, self.microbatches, self.config = mesh, microbatches, model.config
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.stage_ids, self.chunks = build_chunks(model, mesh.rank("pp"), lay.pp, lay.stages_per_rank)
         if lay.tp > 1:
             for chunk in self.chunks:
@@ -66,17 +75,29 @@ class Parallel3D:
         self.data_parallel = lay.dp * lay.cp > 1
         self.runners: list[torch.nn.Module] = list(self.chunks)  # what runs forward (the DDP wrappers)
         if self.data_parallel:
-            self.runners = (apply_fsdp(self.chunks, mesh.data, lay.pp > 1) if lay.dp_mode == "fsdp"
-                            else apply_ddp(self.chunks, mesh.data))
+            self.runners = (
+                apply_fsdp(self.chunks, mesh.data, lay.pp > 1)
+                if lay.dp_mode == "fsdp"
+                else apply_ddp(self.chunks, mesh.data)
+            )
         self.optimizers = []
         for chunk in self.chunks:  # one per chunk, as torchtitan: state dicts map parameters by chunk
             groups, _ = param_groups(chunk, optim.weight_decay)
-            self.optimizers.append(torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                                                     eps=optim.eps))
+            self.optimizers.append(
+                torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+            )
         self.schedule = None
         if lay.pp > 1:
-            self.schedule = build_schedule(lay.pp_schedule, self.runners, self.stage_ids, lay.num_stages, microbatches,
-                                           self._loss, mesh.group("pp"), self.device)
+            self.schedule = build_schedule(
+                lay.pp_schedule,
+                self.runners,
+                self.stage_ids,
+                lay.num_stages,
+                microbatches,
+                self._loss,
+                mesh.group("pp"),
+                self.device,
+            )
 
     # ------------------------------------------------------------------------------ helpers
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
@@ -134,8 +155,11 @@ class Parallel3D:
             last = i == len(ids) - 1
             if self.data_parallel and self.layout.dp_mode == "fsdp":
                 runner.set_requires_gradient_sync(last)
-            sync = contextlib.nullcontext() if last or not self.data_parallel or self.layout.dp_mode == "fsdp" \
+            sync = (
+                contextlib.nullcontext()
+                if last or not self.data_parallel or self.layout.dp_mode == "fsdp"
                 else runner.no_sync()
+            )
             with sync, self._loss_context():
                 loss = self._loss(runner(x), y)
                 (loss / len(ids)).backward()
@@ -223,8 +247,13 @@ class Parallel3D:
             if s % lay.pp != pp_rank:
                 continue
             if s > 0:
-                x = torch.empty(ids.shape[0], seq, self.config.hidden_size, device=self.device,
-                                dtype=next(self.chunks[0].parameters()).dtype)
+                x = torch.empty(
+                    ids.shape[0],
+                    seq,
+                    self.config.hidden_size,
+                    device=self.device,
+                    dtype=next(self.chunks[0].parameters()).dtype,
+                )
                 dist.recv(x, group=group, group_src=(s - 1) % lay.pp)
             x = self.runners[self.stage_ids.index(s)](ids if s == 0 else x)
             if s < lay.num_stages - 1:
@@ -243,11 +272,13 @@ class Parallel3D:
 
     def memory(self) -> dict[str, Any]:
         """Bytes of model state held by this rank (its stages, its shards)."""
+
         def local(t: torch.Tensor) -> int:
             t = t.to_local() if isinstance(t, DTensor) else t
             return t.numel() * t.element_size()
 
         params = sum(local(p) for _, p in self.named_parameters())
-        optim = sum(local(t) for opt in self.optimizers for st in opt.state.values() for t in st.values()
-                    if torch.is_tensor(t))
+        optim = sum(
+            local(t) for opt in self.optimizers for st in opt.state.values() for t in st.values() if torch.is_tensor(t)
+        )
         return {"accelerator": {"params": params, "grads": params, "optimizer": optim}, "host": {}, "nvme": {}}

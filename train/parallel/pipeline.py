@@ -94,9 +94,16 @@ def build_chunks(model: CausalLM, pp_rank: int, pp: int, stages_per_rank: int) -
     return ids, [ModelChunk(model, ranges[s], s == 0, s == num_stages - 1) for s in ids]
 
 
-def build_schedule(kind: str, chunks: list[nn.Module], stage_ids: list[int], num_stages: int, microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], group: dist.ProcessGroup,
-                   device: torch.device) -> _PipelineSchedule:
+def build_schedule(
+    kind: str,
+    chunks: list[nn.Module],
+    stage_ids: list[int],
+    num_stages: int,
+    microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> _PipelineSchedule:
     """`loss_fn` returns a micro-batch's mean loss; gradients are scaled by 1/microbatches, so
     they equal those of the mean loss over the whole batch."""
     stages = [PipelineStage(c, s, num_stages, device, group=group) for c, s in zip(chunks, stage_ids)]

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from baton.train.parallel.pipeline import ModelChunk
 
@@ -34,15 +39,19 @@ def apply_tp(chunk: ModelChunk, tp_mesh: DeviceMesh, sequence_parallel: bool, lo
     if chunk.has_head:
         if norm is not None:
             top["model.norm"] = norm
-        top["lm_head"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                         use_local_output=not loss_parallel)
+        top["lm_head"] = ColwiseParallel(
+            input_layouts=seq,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(chunk, tp_mesh, top)
     for layer in chunk.model.layers.values():
         plan = {
             # Attention.forward(x, cos, sin, attn): only x is distributed.
-            "self_attn": PrepareModuleInput(input_layouts=(seq, None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "self_attn": PrepareModuleInput(
+                input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -59,4 +68,3 @@ def apply_tp(chunk: ModelChunk, tp_mesh: DeviceMesh, sequence_parallel: bool, lo
         attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
     if chunk.has_embedding and chunk.has_head and chunk.tied:
         chunk.lm_head.weight = chunk.model.embed_tokens.weight  # both Shard(0) over the vocabulary: re-tie
-

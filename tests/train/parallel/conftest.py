@@ -30,8 +30,14 @@ def torchrun(nproc: int, args: list[str], log: Path, timeout: float = 600) -> No
     (a crashing rank dumps its Python stack into the log: PYTHONFAULTHANDLER)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={free_port()}",
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *args,
+    ]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
     if proc.returncode != 0:
@@ -58,8 +64,10 @@ class Harness:
         try:
             torchrun(world, [str(HARNESS), str(self.root), *cases], log)
         except RankCrashed as crash:  # relaunch once from clean outputs; a second crash fails the tests
-            warnings.warn(f"a rank of the world-{world} harness crashed (SIGSEGV); relaunching once. "
-                          f"The crash's log: {log.with_suffix('.crash.log')}")
+            warnings.warn(
+                f"a rank of the world-{world} harness crashed (SIGSEGV); relaunching once. "
+                f"The crash's log: {log.with_suffix('.crash.log')}"
+            )
             log.with_suffix(".crash.log").write_text(str(crash))
             for name in cases:
                 shutil.rmtree(self.root / (f"ring{world}" if name == "ring" else name), ignore_errors=True)

@@ -32,8 +32,15 @@ from baton.train.parallel.parallelize import Parallel3D
 
 # 4 layers (PP=4, or 2 ranks x 2 virtual stages), 4 query / 2 key-value heads (GQA split by TP=2),
 # a vocabulary of 128 (vocab-parallel), 16 tokens (2 x cp x tp chunks for zigzag CP + SP).
-MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=64)
+MODEL = ModelConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 SEQ, GLOBAL_BATCH, MICRO_BATCHES, STEPS, SAVE_AT = 16, 8, 4, 12, 6
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 CLIP = 1.0
@@ -73,8 +80,13 @@ def run_case(name: str, out: Path) -> None:
     spec, rank, world = CASES[name], dist.get_rank(), dist.get_world_size()
     layout = check_layout(ParallelConfig(**spec["par"]), MODEL, world, MICRO_BATCHES, SEQ)
     mesh = build_mesh(layout)
-    engine = Parallel3D(build_model(MODEL, seed=0), mesh, MICRO_BATCHES, OPTIM,
-                        recompute=RecomputeConfig(mode=spec.get("recompute", "none")))
+    engine = Parallel3D(
+        build_model(MODEL, seed=0),
+        mesh,
+        MICRO_BATCHES,
+        OPTIM,
+        recompute=RecomputeConfig(mode=spec.get("recompute", "none")),
+    )
     start = 0
     if "resume" in spec:
         ckpt = out / spec["resume"] / f"step_{SAVE_AT}"
@@ -84,7 +96,7 @@ def run_case(name: str, out: Path) -> None:
     rec: dict = {"start": start, "losses": [], "norms": [], "grads": [], "weights_before": []}
     per = GLOBAL_BATCH // layout.dp
     for step in range(start, STEPS):
-        rows = batch(step)[mesh.rank("dp") * per:(mesh.rank("dp") + 1) * per]
+        rows = batch(step)[mesh.rank("dp") * per : (mesh.rank("dp") + 1) * per]
         weights = engine.full_parameters()  # collective
         loss = engine.forward_backward(list(rows.chunk(MICRO_BATCHES)))
         dist.all_reduce(loss, group=mesh.group("dp"))
@@ -113,16 +125,21 @@ def run_ring(out: Path) -> None:
     g = torch.Generator().manual_seed(0)
     b, s, hq, hkv, d = 2, 32, 4, 2, 8
     q, k, v, dout = (torch.randn(b, s, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
-    layer = types.SimpleNamespace(scaling=d ** -0.5, sliding_window=None)
+    layer = types.SimpleNamespace(scaling=d**-0.5, sliding_window=None)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=True, scale=layer.scaling,
-                                         enable_gqa=True).transpose(1, 2)
+    ref = F.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in full), is_causal=True, scale=layer.scaling, enable_gqa=True
+    ).transpose(1, 2)
     ref.backward(dout)
     local = [zigzag_shard(t, world, rank).clone().requires_grad_() for t in (q, k, v)]
     out_l = RingAttention(dist.group.WORLD)(*local, layer)
     out_l.backward(zigzag_shard(dout, world, rank))
-    pairs = {"out": (out_l, ref), "dq": (local[0].grad, full[0].grad), "dk": (local[1].grad, full[1].grad),
-             "dv": (local[2].grad, full[2].grad)}
+    pairs = {
+        "out": (out_l, ref),
+        "dq": (local[0].grad, full[0].grad),
+        "dk": (local[1].grad, full[1].grad),
+        "dv": (local[2].grad, full[2].grad),
+    }
     errors = {n: ((a - zigzag_shard(r, world, rank)).abs().max() / r.abs().max()).item() for n, (a, r) in pairs.items()}
     torch.save(errors, out / f"ring{world}" / f"rank{rank}.pt")
 

@@ -22,8 +22,11 @@ TORCH3D = ["backend=torch3d"]
 def trained(recipe, tmp_path_factory):
     """name -> out_dir: a single-process reference and two torch3d layouts of the same recipe."""
     root = tmp_path_factory.mktemp("torch3d")
-    runs = {"single": (1, []), "tp2_pp2": (4, [*TORCH3D, "parallel.tp=2", "parallel.pp=2"]),
-            "cp2_selective": (2, [*TORCH3D, "parallel.cp=2", "recompute.mode=selective"])}
+    runs = {
+        "single": (1, []),
+        "tp2_pp2": (4, [*TORCH3D, "parallel.tp=2", "parallel.pp=2"]),
+        "cp2_selective": (2, [*TORCH3D, "parallel.cp=2", "recompute.mode=selective"]),
+    }
     for name, (nproc, overrides) in runs.items():
         run(nproc, train_args(recipe, root / name, overrides), root / f"{name}.log")
     return {name: root / name for name in runs}
@@ -45,8 +48,9 @@ def val_losses(out_dir) -> list[float]:
     return [r["val_loss"] for r in records if r.get("val_loss") is not None]
 
 
-@pytest.mark.parametrize("nproc, overrides", [(1, ["backend=torch"]), (2, [*TORCH3D, "parallel.dp=2"])],
-                         ids=["torch-1", "torch3d-dp2"])
+@pytest.mark.parametrize(
+    "nproc, overrides", [(1, ["backend=torch"]), (2, [*TORCH3D, "parallel.dp=2"])], ids=["torch-1", "torch3d-dp2"]
+)
 def test_resume_tp2_pp2_checkpoint_at_another_layout(trained, recipe, tmp_path, nproc, overrides):
     """Step 10 of the TP=2 x PP=2 run, continued on one plain process (the DCP shards read as whole
     tensors) and by FSDP over 2 ranks (re-sharded): steps 11-20 as if it had never stopped."""
@@ -64,8 +68,13 @@ def test_handoff_of_a_torch3d_run(trained, tmp_path):
     meta = json.loads((run_dir / "handoff" / "baton.json").read_text())
     assert meta["parallel_layout"] == {"dp": 1, "pp": 2, "cp": 1, "tp": 2} and meta["step"] == 20
     # `baton export` later, from the DCP checkpoint, gives the same files' tensors.
-    out = subprocess.run([sys.executable, "-m", "baton.common.cli", "export", str(run_dir), str(tmp_path / "h")],
-                         env=environment(1), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.common.cli", "export", str(run_dir), str(tmp_path / "h")],
+        env=environment(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     from baton.common.checkpoint import load_state_dict
 
@@ -74,18 +83,29 @@ def test_handoff_of_a_torch3d_run(trained, tmp_path):
     assert exported.keys() <= weights.keys() and all((exported[k] == weights[k]).all() for k in exported)
 
 
-@pytest.mark.parametrize("world, overrides, message", [
-    ("1", [*TORCH3D, "parallel.tp=3"], "world size 1 is not divisible by tp x pp x cp = 3 x 1 x 1 = 3"),
-    ("4", [*TORCH3D, "parallel.pp=4"], "4 pipeline stages (pp=4 x pp_stages_per_rank=1) but only 2 layers"),
-    ("2", [*TORCH3D, "parallel.pp=2", "global_batch_size=4"],
-     "1f1b needs at least as many micro-batches per step as pipeline ranks: 1 micro-batches < pp=2"),
-    ("1", ["parallel.tp=2"], "the parallel section needs backend: torch3d"),
-])
+@pytest.mark.parametrize(
+    "world, overrides, message",
+    [
+        ("1", [*TORCH3D, "parallel.tp=3"], "world size 1 is not divisible by tp x pp x cp = 3 x 1 x 1 = 3"),
+        ("4", [*TORCH3D, "parallel.pp=4"], "4 pipeline stages (pp=4 x pp_stages_per_rank=1) but only 2 layers"),
+        (
+            "2",
+            [*TORCH3D, "parallel.pp=2", "global_batch_size=4"],
+            "1f1b needs at least as many micro-batches per step as pipeline ranks: 1 micro-batches < pp=2",
+        ),
+        ("1", ["parallel.tp=2"], "the parallel section needs backend: torch3d"),
+    ],
+)
 def test_recipe_with_impossible_layout_fails_before_starting(recipe, tmp_path, world, overrides, message):
     """WORLD_SIZE is what torchrun sets before starting the ranks: the recipe is checked against it
     when it is loaded, before any process group, tokenizer or weight exists."""
     env = {**environment(1), "WORLD_SIZE": world}
-    out = subprocess.run([sys.executable, "-m", "baton.common.cli", *train_args(recipe, tmp_path / "run", overrides)],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "baton.common.cli", *train_args(recipe, tmp_path / "run", overrides)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "run").exists()

@@ -58,8 +58,10 @@ def test_layouts_shard_model_state(harness):
     """Parallelism must actually divide the work: per-rank parameter bytes shrink with tp, pp
     and FSDP (dp), and stay whole with DDP."""
     whole = sum(p.numel() * 4 for p in CausalLM(MODEL).parameters())
-    per_rank = {n: [m["accelerator"]["params"] for m in harness.result(n)["memory_per_rank"]]
-                for n in ("tp2", "pp2_1f1b", "dp2_fsdp", "dp2_ddp", "pp4", "tp2_pp2")}
+    per_rank = {
+        n: [m["accelerator"]["params"] for m in harness.result(n)["memory_per_rank"]]
+        for n in ("tp2", "pp2_1f1b", "dp2_fsdp", "dp2_ddp", "pp4", "tp2_pp2")
+    }
     assert per_rank["dp2_ddp"] == [whole, whole]
     assert sum(per_rank["dp2_fsdp"]) == whole and max(per_rank["dp2_fsdp"]) < whole
     assert sum(per_rank["pp2_1f1b"]) == whole and max(per_rank["pp4"]) < whole / 2

@@ -14,8 +14,15 @@ from baton.train.parallel.layout import ParallelConfig, check_layout, data_paral
 from baton.train.parallel.mesh import build_mesh
 from baton.train.parallel.pipeline import split_layers, stage_costs
 
-MODEL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64)
+MODEL = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 BAD = [
     # (parallel config, world size, micro-batches, seq_len, model overrides, expected message)
@@ -28,12 +35,31 @@ BAD = [
     (dict(tp=2), 2, 4, 17, {}, "sequence parallelism needs seq_len 17 divisible by tp x cp = 2"),
     (dict(tp=2, dp_mode="ddp"), 4, 4, 16, {}, "dp_mode ddp cannot wrap tensor-parallel (DTensor) parameters"),
     (dict(pp=8), 8, 8, 16, {}, "8 pipeline stages (pp=8 x pp_stages_per_rank=1) but only 4 layers"),
-    (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=3), 2, 4, 16, {},
-     "6 pipeline stages (pp=2 x pp_stages_per_rank=3) but only 4 layers"),
-    (dict(pp=4), 4, 2, 16, {}, "1f1b needs at least as many micro-batches per step as pipeline ranks: 2 micro-batches < pp=4"),
+    (
+        dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=3),
+        2,
+        4,
+        16,
+        {},
+        "6 pipeline stages (pp=2 x pp_stages_per_rank=3) but only 4 layers",
+    ),
+    (
+        dict(pp=4),
+        4,
+        2,
+        16,
+        {},
+        "1f1b needs at least as many micro-batches per step as pipeline ranks: 2 micro-batches < pp=4",
+    ),
     (dict(pp=2, pp_schedule="interleaved_1f1b"), 2, 4, 16, {}, "interleaved_1f1b needs pp_stages_per_rank >= 2"),
-    (dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2), 2, 5, 16, {},
-     "interleaved_1f1b needs the micro-batches (5) to be a multiple of 2"),
+    (
+        dict(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
+        2,
+        5,
+        16,
+        {},
+        "interleaved_1f1b needs the micro-batches (5) to be a multiple of 2",
+    ),
     (dict(pp=2, pp_stages_per_rank=2), 2, 4, 16, {}, "pp_schedule 1f1b runs one stage per rank"),
     (dict(pp=2), 2, 4, 16, dict(tie_word_embeddings=True), "tie_word_embeddings with pp > 1"),
     (dict(cp=2), 2, 4, 18, {}, "context parallelism needs seq_len 18 divisible by 2 x cp = 4"),
@@ -82,20 +108,26 @@ def test_good_layouts_resolve_to_hand_computed_degrees(par, world, degrees, dp_r
 
 # Process groups of world 8, written out by hand (not computed the way the code computes them).
 GROUPS_8 = {
-    "tp2 x pp2 x dp2": (dict(tp=2, pp=2), {
-        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        "cp": [[r] for r in range(8)],
-        "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],  # gradients are averaged over dp x cp
-    }),
-    "tp2 x cp2 x dp2": (dict(tp=2, cp=2), {
-        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
-        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
-        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
-        "pp": [[r] for r in range(8)],
-        "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
-    }),
+    "tp2 x pp2 x dp2": (
+        dict(tp=2, pp=2),
+        {
+            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+            "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+            "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            "cp": [[r] for r in range(8)],
+            "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],  # gradients are averaged over dp x cp
+        },
+    ),
+    "tp2 x cp2 x dp2": (
+        dict(tp=2, cp=2),
+        {
+            "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+            "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+            "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+            "pp": [[r] for r in range(8)],
+            "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        },
+    ),
 }
 
 
@@ -118,7 +150,11 @@ def test_mesh_groups_match_hand_computed_ranks(name):
     config = ParallelConfig(**par)
     layout = check_layout(config, ModelConfig(**MODEL), 8, 4, 16)
     assert {k: len(groups[k][0]) for k in ("dp", "pp", "cp", "tp")} == {
-        "dp": layout.dp, "pp": layout.pp, "cp": layout.cp, "tp": layout.tp}
+        "dp": layout.dp,
+        "pp": layout.pp,
+        "cp": layout.cp,
+        "tp": layout.tp,
+    }
     for rank in range(8):
         with fake_world(rank, 8):
             mesh = build_mesh(layout)

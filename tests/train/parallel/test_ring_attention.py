@@ -34,7 +34,7 @@ def test_zigzag_covers_the_sequence_and_balances_causal_work(cp):
             rows, cols, causal = _blocks(step, r, cp, n)
             src = (r - step) % cp
             q, k = held[r][rows], held[src][cols]
-            allowed = (k[None, :] <= q[:, None])
+            allowed = k[None, :] <= q[:, None]
             assert causal or bool(allowed.all()), "a non-causal block must not contain masked pairs"
             pairs += int(allowed.sum()) if causal else allowed.numel()
         exact = int((held[r][:, None] >= torch.arange(seq)[None, :]).sum())

@@ -22,21 +22,27 @@ ROOT = Path(__file__).resolve().parents[3]
 LAUNCHERS = ROOT / "launchers"
 pytestmark = pytest.mark.slow
 
-needs_scontrol = pytest.mark.skipif(shutil.which("scontrol") is None,
-                                    reason="scontrol not installed (apt-get install slurm-client)")
+needs_scontrol = pytest.mark.skipif(
+    shutil.which("scontrol") is None, reason="scontrol not installed (apt-get install slurm-client)"
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                      "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))
+    }
     return {**env, **extra}
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     if shutil.which("slurmctld") is None or shutil.which("slurmd") is None or shutil.which("munged") is None:
-        pytest.skip("slurmctld/slurmd/munged not installed: CI installs them with apt-get install -y "
-                    "--no-install-recommends slurmctld slurmd slurm-client munge")
+        pytest.skip(
+            "slurmctld/slurmd/munged not installed: CI installs them with apt-get install -y "
+            "--no-install-recommends slurmctld slurmd slurm-client munge"
+        )
     if os.geteuid() != 0:
         pytest.skip("a local SLURM cluster needs root (slurmd starts jobs as their users)")
     state = tmp_path_factory.mktemp("slurm")
@@ -51,8 +57,9 @@ def cluster(tmp_path_factory):
 
 
 def submit(env: dict[str, str], args: list[str], **extra: str) -> str:
-    out = subprocess.run(["sbatch", "--parsable", *args], env={**env, **extra}, capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        ["sbatch", "--parsable", *args], env={**env, **extra}, capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
@@ -79,10 +86,25 @@ DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 
 def test_train_sbatch_runs_two_ranks_and_serve_sbatch_serves_it(cluster, recipe, tmp_path):
     out, log = tmp_path / "run", tmp_path / "train.log"
-    job = submit(cluster, ["--nodes=1", "--cpus-per-task=2", f"--output={log}", str(LAUNCHERS / "train.sbatch"),
-                           "--config", str(recipe), f"out_dir={out}", "max_steps=20", "eval_interval=5",
-                           "backend=torch3d", "parallel.tp=2"],
-                 NPROC_PER_NODE="2", RDZV_PORT=str(free_port()), BATON_DIR=str(ROOT))
+    job = submit(
+        cluster,
+        [
+            "--nodes=1",
+            "--cpus-per-task=2",
+            f"--output={log}",
+            str(LAUNCHERS / "train.sbatch"),
+            "--config",
+            str(recipe),
+            f"out_dir={out}",
+            "max_steps=20",
+            "eval_interval=5",
+            "backend=torch3d",
+            "parallel.tp=2",
+        ],
+        NPROC_PER_NODE="2",
+        RDZV_PORT=str(free_port()),
+        BATON_DIR=str(ROOT),
+    )
     state = wait_for(cluster, job, DONE, timeout=420)
     text = log.read_text()
     assert state == "COMPLETED", text[-5000:]
@@ -94,8 +116,21 @@ def test_train_sbatch_runs_two_ranks_and_serve_sbatch_serves_it(cluster, recipe,
     from baton.serve.client import BatonClient
 
     port, serve_log = free_port(), tmp_path / "serve.log"
-    job = submit(cluster, [f"--output={serve_log}", str(LAUNCHERS / "serve.sbatch"), "--model", str(out / "handoff"),
-                           "--port", str(port), "--metrics-port", "-1"], BATON_DIR=str(ROOT), SERVE_HOST="127.0.0.1")
+    job = submit(
+        cluster,
+        [
+            f"--output={serve_log}",
+            str(LAUNCHERS / "serve.sbatch"),
+            "--model",
+            str(out / "handoff"),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "-1",
+        ],
+        BATON_DIR=str(ROOT),
+        SERVE_HOST="127.0.0.1",
+    )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -122,23 +157,53 @@ def dry_conf(tmp_path: Path) -> str:
 
 @needs_scontrol
 def test_deepspeed_sbatch_builds_its_hostfile_from_the_nodelist(tmp_path):
-    env = _env(SLURM_JOB_NODELIST="node[01-03]", SLURM_JOB_ID="77", NPROC_PER_NODE="4", BATON_DIR=str(ROOT),
-               HOSTFILE=str(tmp_path / "hosts"), DRY_RUN="1", SLURM_CONF=dry_conf(tmp_path))
-    out = subprocess.run([str(LAUNCHERS / "deepspeed.sbatch"), "--config", "c.yaml"], env=env, capture_output=True,
-                         text=True, timeout=30)
+    env = _env(
+        SLURM_JOB_NODELIST="node[01-03]",
+        SLURM_JOB_ID="77",
+        NPROC_PER_NODE="4",
+        BATON_DIR=str(ROOT),
+        HOSTFILE=str(tmp_path / "hosts"),
+        DRY_RUN="1",
+        SLURM_CONF=dry_conf(tmp_path),
+    )
+    out = subprocess.run(
+        [str(LAUNCHERS / "deepspeed.sbatch"), "--config", "c.yaml"], env=env, capture_output=True, text=True, timeout=30
+    )
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "hosts").read_text().splitlines() == [f"node0{i} slots=4" for i in (1, 2, 3)]
-    assert "--hostfile" in out.stdout and "--master-addr node01" in out.stdout and out.stdout.rstrip().endswith(
-        "-- --config c.yaml")
+    assert (
+        "--hostfile" in out.stdout
+        and "--master-addr node01" in out.stdout
+        and out.stdout.rstrip().endswith("-- --config c.yaml")
+    )
 
 
 @needs_scontrol
 def test_train_sbatch_rendezvous_on_the_first_node(tmp_path):
-    env = _env(SLURM_JOB_NODELIST="gpu[7-8]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="9", SLURM_GPUS_ON_NODE="8",
-               SLURM_CPUS_PER_TASK="64", BATON_DIR=str(ROOT), DRY_RUN="1", SLURM_CONF=dry_conf(tmp_path))
-    out = subprocess.run([str(LAUNCHERS / "train.sbatch"), "--config", "c.yaml", "parallel.tp=8"], env=env,
-                         capture_output=True, text=True, timeout=30)
+    env = _env(
+        SLURM_JOB_NODELIST="gpu[7-8]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_ID="9",
+        SLURM_GPUS_ON_NODE="8",
+        SLURM_CPUS_PER_TASK="64",
+        BATON_DIR=str(ROOT),
+        DRY_RUN="1",
+        SLURM_CONF=dry_conf(tmp_path),
+    )
+    out = subprocess.run(
+        [str(LAUNCHERS / "train.sbatch"), "--config", "c.yaml", "parallel.tp=8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
-    for part in ("srun --nodes=2 --ntasks-per-node=1", "--nnodes=2 --nproc_per_node=8", "--rdzv_backend=c10d",
-                 "--rdzv_endpoint=gpu7:29500", "--rdzv_id=9", "train --config c.yaml parallel.tp=8"):
+    for part in (
+        "srun --nodes=2 --ntasks-per-node=1",
+        "--nnodes=2 --nproc_per_node=8",
+        "--rdzv_backend=c10d",
+        "--rdzv_endpoint=gpu7:29500",
+        "--rdzv_id=9",
+        "train --config c.yaml parallel.tp=8",
+    ):
         assert part in out.stdout, out.stdout

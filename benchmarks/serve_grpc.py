@@ -36,16 +36,8 @@ from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 
-RESULTS = Path(__file__).resolve().parent / "results"
-MODEL = dict(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=1024,
-)
+from serve_engine import MODEL, RESULTS  # noqa: E402 - the same model as the engine benchmark (script dir is on sys.path)
+
 KV_MB, MAX_SEQS = 256, 64
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
@@ -12,33 +11,7 @@ from baton.common.cli import main
 from baton.common.data import DataConfig, build_datasets
 from baton.serve.distill import teacher_continuations
 
-PATTERN_TEXT = "".join(f"the cat sat on the mat number {i % 7}. the dog ran to the log.\n" for i in range(400))
-
-
-def char_model_checkpoint(tmp_path: Path, name: str = "model"):
-    """A small random-weight model with a char tokenizer, saved to tmp_path/name, and a corpus file
-    of a repetitive pattern. Returns (corpus path, tokenizer, model)."""
-    from baton.common.checkpoint import save_model
-    from baton.common.config import ModelConfig
-    from baton.common.model import build_model
-    from baton.common.tokenizer import train_char
-
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(PATTERN_TEXT)
-    tok = train_char(PATTERN_TEXT)
-    model = build_model(
-        ModelConfig(
-            vocab_size=tok.vocab_size,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=128,
-        ),
-        seed=0,
-    )
-    save_model(tmp_path / name, model, tokenizer=tok)
-    return corpus, tok, model
+from ..train.conftest import char_model_checkpoint
 
 
 def _greedy(model, ids: list[int], width: int) -> list[int]:
@@ -50,7 +23,7 @@ def _greedy(model, ids: list[int], width: int) -> list[int]:
 
 
 def test_teacher_continuations_are_the_models_own_greedy_output(tmp_path):
-    corpus, tok, model = char_model_checkpoint(tmp_path)
+    corpus, tok, model = char_model_checkpoint(tmp_path, "model")
     ds, _ = build_datasets(DataConfig(path=str(corpus), seq_len=24, cache_dir=str(tmp_path / "cache")), tok)
     blocks = teacher_continuations(tmp_path / "model", ds, count=3, width=25)
     assert blocks.shape == (3, 25)
@@ -61,7 +34,7 @@ def test_teacher_continuations_are_the_models_own_greedy_output(tmp_path):
 
 
 def test_baton_distill_writes_the_models_token_ids_and_training_reads_them(tmp_path, capsys):
-    corpus, tok, model = char_model_checkpoint(tmp_path)
+    corpus, tok, model = char_model_checkpoint(tmp_path, "model")
     out = tmp_path / "runs" / "distill.jsonl"
     assert (
         main(

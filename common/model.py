@@ -57,8 +57,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`, (norm(x + residual), x + residual) in one fused pass."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -149,6 +150,11 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Set by fuse_residual_norms(): the residual add runs inside the post-attention norm's kernel.
+    # Off by default because tensor parallelism's sequence-parallel plan treats a norm as a
+    # one-tensor module; the server, which runs no such plan, turns it on.
+    fuse_residual_norm: bool = False
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
@@ -160,8 +166,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, attn)
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        if self.fuse_residual_norm:  # the same sums, one read and write of the hidden states fewer
+            h, x = self.post_attention_layernorm(a, residual=x)
+            return x + ffn(h)
+        x = x + a
         return x + ffn(self.post_attention_layernorm(x))
 
 
@@ -179,6 +189,15 @@ class DecoderModel(nn.Module):
             self.inv_freq = self.inv_freq.to(positions.device)
         x = self.embed_tokens(input_ids)
         return self.norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
+
+
+def fuse_residual_norms(model: nn.Module) -> nn.Module:
+    """Every decoder layer adds its attention residual inside the post-attention RMSNorm kernel
+    (kernels/rmsnorm.py). Outputs are unchanged: x + a is the same sum either way."""
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            layer.fuse_residual_norm = True
+    return model
 
 
 def run_layers(

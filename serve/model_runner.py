@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.common.model import CausalLM
+from baton.common.model import CausalLM, fuse_residual_norms
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
@@ -67,7 +67,7 @@ class ModelRunner:
     def __init__(
         self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0, kv_cache_dtype: str = "auto"
     ):
-        self.model = model.eval()
+        self.model = fuse_residual_norms(model.eval())
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype

@@ -5,7 +5,7 @@ import math
 import torch
 
 from baton.common.config import ModelConfig
-from baton.common.model import DenseCausalAttention, build_model
+from baton.common.model import DecoderLayer, DenseCausalAttention, build_model, fuse_residual_norms
 from baton.common.rope import inv_frequencies
 
 CFG = dict(
@@ -132,3 +132,26 @@ def test_training_step_reduces_loss():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.8
+
+
+def test_fused_residual_norm_gives_the_same_logits_bit_for_bit():
+    """fuse_residual_norms moves the attention residual add into the post-attention norm: the same
+    sum, so the same logits to the bit (dense and MoE), and only when asked for."""
+    for extra in ({}, dict(num_local_experts=4, num_experts_per_tok=2)):
+        cfg = ModelConfig(
+            vocab_size=96,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **extra,
+        )
+        model = build_model(cfg, seed=0).eval()
+        ids = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            plain = model(ids)
+            assert not any(m.fuse_residual_norm for m in model.modules() if isinstance(m, DecoderLayer))
+            fused = fuse_residual_norms(model)(ids)
+        assert all(m.fuse_residual_norm for m in model.modules() if isinstance(m, DecoderLayer))
+        torch.testing.assert_close(fused, plain, rtol=0, atol=0)

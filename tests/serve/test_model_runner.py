@@ -4,7 +4,7 @@ the prefill path; either way a step's logits equal a plain forward over the whol
 import torch
 
 from baton.common.config import ModelConfig
-from baton.common.model import build_model
+from baton.common.model import DecoderLayer, build_model
 from baton.serve.model_runner import DECODE_ROWS, ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
@@ -51,3 +51,12 @@ def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
     with torch.no_grad():
         want = torch.stack([model(torch.tensor([s.token_ids]))[0, -1] for s, _ in groups])
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_model_runner_fuses_residual_norms():
+    model = build_model(
+        ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+        seed=0,
+    )
+    ModelRunner(model, num_blocks=8, block_size=8)
+    assert all(m.fuse_residual_norm for m in model.modules() if isinstance(m, DecoderLayer))

@@ -4,7 +4,7 @@ DeepSpeed can only resume a ZeRO checkpoint at the world size that wrote it; its
 tool covers ZeRO-3 but not ZeRO-1/2. Here every stage is read back into whole, named fp32
 tensors (weights and both Adam moments), from which any layout can be loaded again.
 
-On-disk layout (DeepSpeed 0.16-0.19), one file per rank:
+On-disk layout (DeepSpeed 0.19, the pinned range), one file per rank:
 - stage 0: one `mp_rank_00_model_states.pt` with the module and a plain torch optimizer state.
 - stage 1/2: each rank holds a contiguous slice of every parameter group flattened (params in
   group order, each followed by its alignment padding); `single_partition_of_fp32_groups[g]`

@@ -53,6 +53,18 @@ class Limits:
     max_stop_string_chars: int = 256  # per stop string
     max_stop_token_ids: int = 64
 
+    def validate(self) -> None:
+        """A limit that admits nothing would refuse (or, for max_concurrent, stall) every call."""
+        at_least_one = ("max_concurrent", "max_output_tokens", "max_message_bytes", "max_n", "max_stop_string_chars")
+        for name in at_least_one:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_queued", "max_stop_strings", "max_stop_token_ids"):  # 0: none allowed
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1 (or unset), got {self.max_prompt_tokens}")
+
 
 @dataclass
 class Call:

@@ -56,6 +56,7 @@ class ServerConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.drain_timeout_s < 0:
             raise ValueError("the drain timeout must be >= 0 seconds")
+        self.limits.validate()
 
 
 class BatonServer:

@@ -131,3 +131,18 @@ def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
 def test_a_bad_engine_setting_fails_before_serving(served, tmp_path, capsys):
     assert main(["serve", "--model", str(tmp_path), "--preemption-mode", "evict"]) == 2
     assert "preemption_mode" in capsys.readouterr().err and not served
+
+
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        ("--max-n", "0", "max_n must be >= 1"),
+        ("--max-concurrent", "0", "max_concurrent must be >= 1"),
+        ("--max-stop-strings", "-1", "max_stop_strings must be >= 0"),
+        ("--max-prompt-tokens", "0", "max_prompt_tokens must be >= 1"),
+    ],
+)
+def test_a_limit_that_admits_nothing_is_refused_before_the_port_binds(tmp_path, capsys, flag, value, words):
+    assert main(["serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "listening" not in err

@@ -31,8 +31,8 @@ def _token(path: str | None) -> str | None:
 
 
 def engine_config(args: argparse.Namespace):
-    """EngineConfig from the hand-written and the derived flags; a bad speculative setting fails here,
-    before a server binds its port."""
+    """EngineConfig from the hand-written and the derived flags; a bad setting fails here, before a
+    server binds its port."""
     from baton.common.flags import dataclass_from_flags
     from baton.serve.engine import EngineConfig
     from baton.serve.scheduler import SchedulerConfig
@@ -43,12 +43,12 @@ def engine_config(args: argparse.Namespace):
         spec = dataclass_from_flags(
             SpeculativeConfig, args, "speculative_", SPECULATIVE_ALIASES, method=args.speculative
         )
-        spec.validate()
     scheduler = dataclass_from_flags(SchedulerConfig, args)
-    scheduler.validate()
-    return dataclass_from_flags(
+    config = dataclass_from_flags(
         EngineConfig, args, kv_cache_bytes=args.kv_cache_mb * 2**20, scheduler=scheduler, speculative=spec
     )
+    config.validate()  # the scheduler's and speculative settings too
+    return config
 
 
 def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:

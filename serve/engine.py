@@ -70,6 +70,28 @@ class EngineConfig:
     def streaming(self) -> bool:
         return self.streaming_window_tokens is not None
 
+    def validate(self) -> None:
+        """Every field is a `baton serve` flag: a value that cannot work fails here, before a port binds."""
+        positive = {
+            "block_size": self.block_size,
+            "num_kv_blocks": self.num_kv_blocks,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "max_model_len": self.max_model_len,
+            "streaming_window_tokens": self.streaming_window_tokens,
+        }
+        for name, value in positive.items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.swap_space_bytes < 0 or (self.streaming_sink_tokens or 0) < 0:
+            raise ValueError("swap_space_bytes and streaming_sink_tokens must be >= 0")
+        if self.streaming_sink_tokens is not None and self.streaming_window_tokens is None:
+            raise ValueError("streaming_sink_tokens needs streaming_window_tokens (StreamingLLM is on with a window)")
+        self.scheduler.validate()
+        if self.speculative is not None:
+            self.speculative.validate()
+
 
 class LLMEngine:
     def __init__(
@@ -80,6 +102,7 @@ class LLMEngine:
         model_dir: str | Path | None = None,
     ):
         self.config = config = config or EngineConfig()
+        config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = model.config
         self.vocab_size = mcfg.vocab_size

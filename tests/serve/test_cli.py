@@ -128,9 +128,19 @@ def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
         assert getattr(e, name) == getattr(defaults, name), name
 
 
-def test_a_bad_engine_setting_fails_before_serving(served, tmp_path, capsys):
-    assert main(["serve", "--model", str(tmp_path), "--preemption-mode", "evict"]) == 2
-    assert "preemption_mode" in capsys.readouterr().err and not served
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--preemption-mode", "evict"], "preemption_mode"),
+        (["--block-size", "0"], "block_size must be >= 1"),
+        (["--kv-cache-fraction", "2"], "kv_cache_fraction"),
+        (["--streaming-sink-tokens", "4"], "needs streaming_window"),
+        (["--speculative", "ngram", "--speculative-tree-width", "0"], "tree_width"),
+    ],
+)
+def test_a_bad_engine_setting_fails_before_serving(served, tmp_path, capsys, flags, words):
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    assert words in capsys.readouterr().err and not served
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""Owns the KV pools and runs one scheduled step of the shared model through paged attention."""
+"""Owns the KV pools and runs one scheduled step of the shared model through paged attention.
+
+With tensor/pipeline parallelism (serve/parallel/) every rank has a ModelRunner over its shard:
+its pipeline stage's layers (`layers`), its attention heads, and KV pools for exactly those.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +14,19 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.common.model import CausalLM, fuse_residual_norms
+from baton.common.model import CausalLM, fuse_residual_norms, run_layers
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.reference import rotate_half
-from baton.serve.attention import AttentionMetadata, PagedAttention, TreeGroup
+from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
-from baton.serve.speculative.tree import ancestor_mask, tree_depths
+from baton.serve.step_plan import DECODE_ROWS, StepPlan
 
 
 log = logging.getLogger(__name__)
 
-DECODE_ROWS = 8  # chunks up to this long run as decode rows (each re-reads the prefix: short only)
+__all__ = ["DECODE_ROWS", "ExecuteResult", "ModelRunner", "kv_block_bytes"]
 
 
 @functools.cache
@@ -46,11 +50,21 @@ def keep_freed_memory() -> bool:
     return ok
 
 
-def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+def kv_block_bytes(
+    model: CausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    num_layers: int | None = None,
+    num_kv_heads: int | None = None,
+) -> int:
+    """Bytes of one KV block over `num_layers` layers of `num_kv_heads` heads (default: the whole model)."""
     cfg = model.config
     pool_dtype, width = pool_layout(kv_cache_dtype, dtype, cfg.head_dim)
     elem = torch.tensor([], dtype=pool_dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * width * elem
+    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return 2 * layers * block_size * heads * width * elem
 
 
 @dataclass
@@ -65,8 +79,16 @@ class ExecuteResult:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, num_blocks: int, block_size: int, num_host_blocks: int = 0, kv_cache_dtype: str = "auto"
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int = 0,
+        kv_cache_dtype: str = "auto",
+        layers: range | None = None,
     ):
+        """`layers`: the global indices of the decoder layers this runner holds (a pipeline stage);
+        default all. Their attention modules give the (possibly sharded) KV head count."""
         self.model = fuse_residual_norms(model.eval())
         cfg = model.config
         p = next(model.parameters())
@@ -76,28 +98,28 @@ class ModelRunner:
             if self.dtype == torch.float32:  # the C++ decode kernel's only dtype: build/load it now, not on a request
                 cpu_kernels()
         self.block_size = block_size
+        self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        self.layers = [self.model.model.layers[i] for i in self.layer_ids]
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
-        shape = (cfg.num_key_value_heads, width)
-        # Zero-filled: padded block-table entries may be read (and masked), never as NaN.
-        self.kv_caches = [
-            (
-                torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
-                torch.zeros(num_blocks, block_size, *shape, dtype=pool_dtype, device=self.device),
-            )
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        shape = (self.layers[0].self_attn.num_kv_heads, width)
         pin = self.device.type == "cuda"
-        self.host_caches = (
-            [
-                (
-                    torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
-                    torch.zeros(num_host_blocks, block_size, *shape, dtype=pool_dtype, pin_memory=pin),
+
+        def pools(n: int, device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+            # Zero-filled: padded block-table entries may be read (and masked), never as NaN. Indexed
+            # by global layer; a pipeline stage has None for the layers other stages hold.
+            mine = set(self.layer_ids)
+            return [
+                tuple(
+                    torch.zeros(n, block_size, *shape, dtype=pool_dtype, device=device, pin_memory=pin_memory)
+                    for _ in range(2)
                 )
-                for _ in range(cfg.num_hidden_layers)
+                if i in mine
+                else None
+                for i in range(cfg.num_hidden_layers)
             ]
-            if num_host_blocks
-            else []
-        )
+
+        self.kv_caches = pools(num_blocks, self.device)
+        self.host_caches = pools(num_host_blocks, "cpu", pin) if num_host_blocks else []
         self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
 
     # ------------------------------------------------------------------------------ block ops
@@ -112,7 +134,10 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs])
             dst = torch.tensor([b for _, b in pairs])
-            for (sk, sv), (dk, dv) in zip(src_pools, dst_pools):
+            for src_pool, dst_pool in zip(src_pools, dst_pools):
+                if src_pool is None:
+                    continue
+                (sk, sv), (dk, dv) = src_pool, dst_pool
                 dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
                 dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
         for blocks, shift in ops.rerotations:
@@ -124,76 +149,43 @@ class ModelRunner:
         angle = torch.cat([inv_freq, inv_freq]) * -float(shift)
         cos, sin = angle.cos().to(self.dtype), angle.sin().to(self.dtype)
         idx = torch.tensor(blocks, device=self.device)
-        for k_cache, _ in self.kv_caches:
+        for k_cache, _ in filter(None, self.kv_caches):
             k = k_cache[idx]
             k_cache[idx] = k * cos + rotate_half(k) * sin
 
     # ------------------------------------------------------------------------------ one step
-    def prepare(self, scheduled: list[tuple[Sequence, int]], positions_in_cache: bool, window_in_cache: bool):
-        """Pack decode rows (single new tokens, and every row of a chunk of at most DECODE_ROWS
-        tokens: speculative chains, prompt tails), then longer prefill chunks, then speculative
-        trees. A chunk's K/V are written to the cache before attention, so its row i is exactly a
-        decode over the cache up to itself (context prefix + i + 1): the decode kernel serves it
-        without the prefill path's per-sequence prefix gather.
-        Returns (ids, positions, metadata, [(seq, rows to sample)])."""
-        bs = self.block_size
-        trees = [x for x in scheduled if x[0].spec_parents is not None]
-        chains = [x for x in scheduled if x[0].spec_parents is None]
-        order = [x for x in chains if x[1] <= DECODE_ROWS] + [x for x in chains if x[1] > DECODE_ROWS] + trees
-        ids, positions, slots, sample = [], [], [], []
-        dec_tables, dec_lens, pre_tables, pre_prefix, cu, tree_md = [], [], [], [], [0], []
-        for seq, n in order:
-            start = seq.num_computed_tokens
-            first_cached = start - seq.num_evicted_tokens  # index of this chunk's first token in the cache
-            row0 = len(ids)
-            ids += (seq.token_ids + seq.spec_token_ids)[start : start + n]
-            base = first_cached if positions_in_cache else start
-            if seq.spec_parents is not None:
-                depth = tree_depths(seq.spec_parents)
-                positions += [base] + [base + d for d in depth]
-                tree_md.append(
-                    TreeGroup(row0, n, seq.block_table, first_cached, [0] + depth, ancestor_mask(seq.spec_parents))
-                )
-            else:
-                positions += range(base, base + n)
-            for c in range(first_cached, first_cached + n):
-                slots.append(seq.block_table[c // bs] * bs + c % bs)
-            if seq.spec_parents is None and n <= DECODE_ROWS:
-                dec_tables += [seq.block_table] * n
-                dec_lens += range(first_cached + 1, first_cached + n + 1)
-            elif seq.spec_parents is None:
-                pre_tables.append(seq.block_table)
-                pre_prefix.append(first_cached)
-                cu.append(cu[-1] + n)
-            if seq.spec_token_ids:
-                sample.append((seq, list(range(row0, row0 + n))))  # every proposal is checked
-            elif start + n == seq.num_tokens:
-                sample.append((seq, [len(ids) - 1]))
-        dev = self.device
-
-        def table(rows: list[list[int]]) -> torch.Tensor:
-            width = max((len(r) for r in rows), default=0)
-            return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=dev).reshape(
-                len(rows), width
-            )
-
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            num_decodes=len(dec_lens),
-            decode_block_tables=table(dec_tables),
-            decode_context_lens=torch.tensor(dec_lens, dtype=torch.int32, device=dev),
-            prefill_cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=dev),
-            prefill_block_tables=table(pre_tables),
-            prefill_prefix_lens=torch.tensor(pre_prefix, dtype=torch.int32, device=dev),
-            max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
-            window_in_cache=window_in_cache,
-            trees=tree_md,
-        )
-        input_ids = torch.tensor([ids], dtype=torch.long, device=dev)
-        pos = torch.tensor([positions], dtype=torch.long, device=dev)
-        return input_ids, pos, md, sample
+    def plan(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        positions_in_cache: bool = False,
+        window_in_cache: bool = True,
+        return_hidden: bool = False,
+    ) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
+        return StepPlan.build(scheduled, self.block_size, positions_in_cache, window_in_cache, return_hidden)
 
     @torch.inference_mode()
+    def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This runner's layers over the plan's tokens: from the embedding (first stage) or from
+        the previous pipeline stage's `hidden` [1, T, hidden]. Returns [1, T, hidden]."""
+        input_ids, positions, md = plan.tensors(self.device)
+        inner = self.model.model
+        if inner.inv_freq.device != self.device:
+            inner.inv_freq = inner.inv_freq.to(self.device)
+        x = inner.embed_tokens(input_ids) if hidden is None else hidden
+        self.attn.metadata = md
+        try:
+            return run_layers(self.layers, x, positions, inner.inv_freq, self.attn)
+        finally:
+            self.attn.metadata = None
+
+    @torch.inference_mode()
+    def head(self, plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [rows, vocab], final hidden states [rows, hidden] when the plan asks) of the
+        rows to sample. RMSNorm is per row, so only the sampled rows are normalised."""
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+        picked = self.model.model.norm(x[0][rows])
+        return self.model.compute_logits(picked), picked if plan.return_hidden else None
+
     def execute(
         self,
         scheduled: list[tuple[Sequence, int]],
@@ -202,24 +194,16 @@ class ModelRunner:
         return_hidden: bool = False,
     ) -> ExecuteResult:
         """Run the step (hidden states are returned only with return_hidden)."""
-        input_ids, positions, md, sample = self.prepare(scheduled, positions_in_cache, window_in_cache)
-        self.attn.metadata = md
-        try:
-            hidden = self.model.hidden(input_ids, positions, attn=self.attn)[0]
-        finally:
-            self.attn.metadata = None
-        rows = torch.tensor([r for _, rs in sample for r in rs], dtype=torch.long, device=self.device)
-        picked = hidden[rows]
-        logits = self.model.compute_logits(picked)
-        groups = [(seq, len(rs)) for seq, rs in sample]
-        return ExecuteResult(logits, groups, picked if return_hidden else None)
+        plan, groups = self.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
+        logits, hidden = self.head(plan, self.forward(plan))
+        return ExecuteResult(logits, groups, hidden)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""
         if not src:
             return
         s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in filter(None, self.kv_caches):
             for cache in (k_cache, v_cache):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[d] = flat[s].clone()

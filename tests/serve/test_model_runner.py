@@ -33,7 +33,8 @@ def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
     seqs["a"].block_table, seqs["b"].block_table, seqs["c"].block_table = [0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10, 11]
 
     def step(plan):
-        _, _, md, _ = runner.prepare([(seqs[k], n) for k, n in plan], False, True)
+        step_plan, _ = runner.plan([(seqs[k], n) for k, n in plan])
+        md = step_plan.tensors(runner.device)[2]
         result = runner.execute([(seqs[k], n) for k, n in plan])
         logits, groups = result.logits, result.groups
         for k, n in plan:

@@ -61,6 +61,8 @@ class AsyncLLMEngine:
                 with self._lock:
                     busy = self.engine.has_unfinished_requests()
                     outputs = self.engine.step() if busy else []
+                    if not busy:  # idle: a sharded model's lost worker must still be noticed
+                        self.engine.check_health()
             except BaseException as e:  # noqa: BLE001 - the loop must report, not vanish
                 self.failure_reason = str(e) if isinstance(e, EngineFault) else repr(e)
                 log.exception("engine loop crashed: %s", self.failure_reason)
@@ -134,6 +136,8 @@ class AsyncLLMEngine:
             return fn(self.engine)
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread, then what the engine started (a sharded model's workers)."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()

@@ -43,9 +43,17 @@ def engine_config(args: argparse.Namespace):
         spec = dataclass_from_flags(
             SpeculativeConfig, args, "speculative_", SPECULATIVE_ALIASES, method=args.speculative
         )
+    from baton.serve.parallel.config import ParallelConfig
+
     scheduler = dataclass_from_flags(SchedulerConfig, args)
+    parallel = dataclass_from_flags(ParallelConfig, args)
     config = dataclass_from_flags(
-        EngineConfig, args, kv_cache_bytes=args.kv_cache_mb * 2**20, scheduler=scheduler, speculative=spec
+        EngineConfig,
+        args,
+        kv_cache_bytes=args.kv_cache_mb * 2**20,
+        scheduler=scheduler,
+        speculative=spec,
+        parallel=parallel,
     )
     config.validate()  # the scheduler's and speculative settings too
     return config
@@ -64,6 +72,12 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    p.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks that split every layer (vLLM's name)"
+    )
+    p.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=None, help="ranks that each hold a slice of the layers"
+    )
     p.add_argument("--speculative", choices=["ngram", "draft", "medusa"], default=None, help="speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
@@ -82,6 +96,9 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
 
         add_dataclass_flags(p, EngineConfig, skip=("kv_cache_bytes",), group="engine (EngineConfig)")
         add_dataclass_flags(p, SchedulerConfig, group="scheduler (SchedulerConfig)")
+        from baton.serve.parallel.config import ParallelConfig
+
+        add_dataclass_flags(p, ParallelConfig, group="tensor/pipeline parallel serving (ParallelConfig)")
         add_dataclass_flags(
             p,
             SpeculativeConfig,
@@ -113,10 +130,17 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from baton.serve.parallel import launched_rank
     from baton.serve.runtime import Limits
     from baton.serve.server import ServerConfig, run
 
     engine = engine_config(args)
+    launched = launched_rank()
+    if launched is not None and launched[0] > 0:  # torchrun/srun started this process as a worker rank
+        from baton.serve.parallel.executor import worker_main
+
+        worker_main(launched[0], launched[1], "env://", engine.parallel, args.device.split(":")[0])
+        return 0
     limits = Limits(
         max_concurrent=args.max_concurrent,
         max_queued=args.max_queued,

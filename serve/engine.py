@@ -35,6 +35,7 @@ from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
+from baton.serve.parallel.config import ParallelConfig
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
 from baton.serve.request_state import RequestState
@@ -65,6 +66,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"  # "int8" / "fp8": quantized KV pools (serve/quantization/kv_cache.py)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor/pipeline parallel (serve/parallel/)
 
     @property
     def streaming(self) -> bool:
@@ -89,6 +91,7 @@ class EngineConfig:
         if self.streaming_sink_tokens is not None and self.streaming_window_tokens is None:
             raise ValueError("streaming_sink_tokens needs streaming_window_tokens (StreamingLLM is on with a window)")
         self.scheduler.validate()
+        self.parallel.validate()
         if self.speculative is not None:
             self.speculative.validate()
 
@@ -96,24 +99,32 @@ class EngineConfig:
 class LLMEngine:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | None,
         tokenizer: Tokenizer | None = None,
         config: EngineConfig | None = None,
         model_dir: str | Path | None = None,
+        runner: ModelRunner | None = None,
     ):
+        """`model` runs in this process; or pass a `runner` that already holds the model and its
+        pools (serve/parallel/executor.py's DistributedRunner: the model is sharded over ranks)."""
         self.config = config = config or EngineConfig()
         config.validate()
         self.model, self.tokenizer = model, tokenizer
-        mcfg = model.config
+        mcfg = self.model_config = model.config if runner is None else runner.model_config
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        p = next(model.parameters())
         check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)
         if config.streaming and config.kv_cache_dtype != "auto":
             raise ValueError("StreamingLLM re-rotates cached keys in place: use kv_cache_dtype='auto' with it")
-        block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
-        num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
-        num_host = config.swap_space_bytes // block_bytes if config.scheduler.preemption_mode == "swap" else 0
+        if runner is None:
+            p = next(model.parameters())
+            block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
+            num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
+            swap = config.scheduler.preemption_mode == "swap"
+            num_host = config.swap_space_bytes // block_bytes if swap else 0
+            runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
+        self.runner = runner
+        num_blocks, num_host = runner.num_blocks, runner.num_host_blocks
         eviction = None
         if config.streaming:
             eviction = StreamingLLMPolicy(config.streaming_sink_tokens or 0, config.streaming_window_tokens)
@@ -123,7 +134,6 @@ class LLMEngine:
         prefix_caching = config.enable_prefix_caching and eviction is None
         self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
@@ -134,15 +144,14 @@ class LLMEngine:
         if config.speculative is not None:
             if config.streaming:
                 raise ValueError("speculative decoding and StreamingLLM cannot be combined")
-            proposer = make_proposer(config.speculative, model_dir, mcfg.vocab_size, p.device, p.dtype)
+            proposer = make_proposer(config.speculative, model_dir, mcfg.vocab_size, runner.device, runner.dtype)
             self.speculative = SpeculativeDecoder(
                 config.speculative, proposer, self.runner, self.block_manager, self.max_model_len
             )
         log.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), host swap pool %d blocks; prefix caching %s%s",
+            "KV cache: %d blocks of %d tokens, host swap pool %d blocks; prefix caching %s%s",
             num_blocks,
             config.block_size,
-            num_blocks * block_bytes / 2**20,
             num_host,
             "on" if prefix_caching else "off",
             f"; StreamingLLM sinks={config.streaming_sink_tokens} window={config.streaming_window_tokens}"
@@ -154,9 +163,26 @@ class LLMEngine:
     def from_checkpoint(
         cls, path: str | Path, config: EngineConfig | None = None, device: str = "cpu", dtype: torch.dtype | None = None
     ) -> "LLMEngine":
+        config = config or EngineConfig()
+        tok = Tokenizer.from_dir(path) if (Path(path) / "tokenizer.json").is_file() else None
+        if config.parallel.world_size > 1:
+            from baton.serve.parallel import start_distributed
+
+            return cls(None, tok, config, model_dir=path, runner=start_distributed(path, config, device, dtype))
         ckpt = load_model(path, device=device, dtype=dtype)
-        tok = Tokenizer.from_dir(path) if ckpt.tokenizer_path else None
         return cls(ckpt.model, tok, config, model_dir=path)
+
+    def check_health(self) -> None:
+        """Raises EngineFault when the model can no longer run (a sharded model's worker is gone)."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Stop what the engine started (a sharded model's worker processes)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
         budget = self.config.kv_cache_bytes
@@ -169,7 +195,7 @@ class LLMEngine:
         return int(blocks)
 
     def _eos_ids(self) -> set[int]:
-        eos = self.model.config.eos_token_id
+        eos = self.model_config.eos_token_id
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
@@ -312,6 +338,8 @@ class LLMEngine:
                 for seq, _ in sched.scheduled:
                     self.fault_injector("forward", seq)
             return self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
+        except EngineFault:  # the runner itself is broken (a sharded model lost a worker): the engine is dead
+            raise
         except Exception as e:
             hit = [seq for seq, _ in sched.scheduled]
             if not applied:  # a sequence swapped out this step may not have reached the host pool

@@ -5,6 +5,7 @@ A prompt is text, a list of token ids, or vLLM's TokensPrompt {"prompt_token_ids
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -37,9 +38,34 @@ class LLM:
         config: EngineConfig | None = None,
         device: str = "cpu",
         dtype: torch.dtype | None = None,
+        tensor_parallel_size: int | None = None,
+        pipeline_parallel_size: int | None = None,
     ):
+        """`tensor_parallel_size` / `pipeline_parallel_size` (vLLM's names) set config.parallel:
+        the model is sharded over that many worker processes, spawned here."""
+        config = config or EngineConfig()
+        if tensor_parallel_size is not None or pipeline_parallel_size is not None:
+            par = config.parallel
+            config = dataclasses.replace(
+                config,
+                parallel=dataclasses.replace(
+                    par,
+                    tensor_parallel_size=tensor_parallel_size or par.tensor_parallel_size,
+                    pipeline_parallel_size=pipeline_parallel_size or par.pipeline_parallel_size,
+                ),
+            )
         self.engine = LLMEngine.from_checkpoint(model, config, device=device, dtype=dtype)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a sharded model (also done at interpreter exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(
         self,

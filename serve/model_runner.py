@@ -97,7 +97,7 @@ class ModelRunner:
             keep_freed_memory()
             if self.dtype == torch.float32:  # the C++ decode kernel's only dtype: build/load it now, not on a request
                 cpu_kernels()
-        self.block_size = block_size
+        self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         self.layers = [self.model.model.layers[i] for i in self.layer_ids]
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)

@@ -1,0 +1,80 @@
+"""ParallelConfig: how a served model is split over processes, checked before any process starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from baton.common.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MOE_MODES = ("tensor", "expert")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks that split every layer (heads, MLP columns, vocabulary)
+    pipeline_parallel_size: int = 1  # ranks that each hold a contiguous slice of the layers
+    moe_parallel: str = "tensor"  # Mixtral experts: "tensor" (every expert split) or "expert" (whole experts per rank)
+    distributed_timeout_s: float = 300.0  # a worker silent this long (in a collective) is declared dead
+    heartbeat_s: float = 1.0  # an idle driver pings its workers this often, so a dead one is noticed
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def validate(self) -> None:
+        """What needs no model: sizes and modes."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.moe_parallel not in MOE_MODES:
+            raise ValueError(f"moe_parallel must be one of {MOE_MODES}, got {self.moe_parallel!r}")
+        if not self.distributed_timeout_s > 0 or not self.heartbeat_s > 0:
+            raise ValueError("distributed_timeout_s and heartbeat_s must be > 0")
+
+    def check_model(self, cfg: ModelConfig, group_size: int | None = None) -> None:
+        """Refuse a layout the model cannot be split into, naming the number that does not divide."""
+        t, p = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        if heads % t:
+            raise ValueError(f"tensor_parallel_size {t} does not divide the model's {heads} attention heads")
+        if kv % t and t % kv:
+            raise ValueError(
+                f"tensor_parallel_size {t} and the model's {kv} key/value heads: one must divide the other "
+                "(KV heads are split, or replicated when there are fewer than ranks)"
+            )
+        experts = cfg.num_local_experts
+        if experts and self.moe_parallel == "expert":
+            if experts % t:
+                raise ValueError(f"expert parallelism: tensor_parallel_size {t} does not divide {experts} experts")
+        elif cfg.intermediate_size % t:
+            raise ValueError(f"tensor_parallel_size {t} does not divide intermediate_size {cfg.intermediate_size}")
+        if p > cfg.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size {p} is more than the model's {cfg.num_hidden_layers} layers")
+        if group_size and t > 1:  # a row-parallel shard must hold whole quantization groups
+            for name, width in (("attention output", heads * cfg.head_dim), ("MLP", cfg.intermediate_size)):
+                if (width // t) % group_size:
+                    raise ValueError(
+                        f"the {name} input ({width}) split {t} ways is {width // t} columns, not a multiple of the "
+                        f"checkpoint's quantization group size {group_size}"
+                    )
+
+    def check_devices(self, device: str, nnodes: int = 1) -> None:
+        """More ranks than devices on a CUDA host is refused; on CPU it is allowed (ranks share cores)."""
+        per_node = -(-self.world_size // nnodes)
+        if torch.device(device).type == "cuda":
+            have = torch.cuda.device_count()
+            if per_node > have:
+                raise ValueError(f"{per_node} ranks on this node but only {have} CUDA devices")
+        elif per_node > (os.cpu_count() or 1):
+            log.warning("%d ranks on %d CPU cores: ranks will share cores", per_node, os.cpu_count())
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The contiguous layers pipeline stage `stage` holds (as even as the count allows)."""
+    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)

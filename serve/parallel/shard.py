@@ -1,0 +1,254 @@
+"""shard_model(): one rank's part of the shared model, cut from outside (gpt-fast's `apply_tp`).
+
+Applied to a meta-device model before any weight is read, it swaps modules for their local-size
+versions and returns, for every tensor the rank holds, the slice of the checkpoint tensor to read
+(serve/parallel/loader.py then reads exactly those bytes from the safetensors files).
+
+Tensor parallelism (Megatron's split, vLLM's names): q/k/v and gate/up are column-parallel (each
+rank keeps whole heads / a block of MLP columns), o and down row-parallel with one all-reduce of
+their output (the bias is added on rank 0 only, so it is summed once). GQA is split by KV head: a
+rank's query heads find their KV heads locally; with fewer KV heads than ranks each KV head is
+replicated on the ranks whose query heads use it. The embedding is vocab-parallel (each rank looks
+up its vocabulary rows, the partial results are all-reduced) and the LM head column-parallel over
+the vocabulary, its logits all-gathered (trimmed of the padding that makes the vocabulary divide).
+Mixtral experts are either each split like an MLP ("tensor") or dealt out whole ("expert"); either
+way the MoE block ends in one all-reduce. Quantized linears are cut the same way: every tensor of a
+module is [out, ...], so a column split cuts dim 0 and a row split cuts dim 1 evenly (weights,
+packed int4 bytes, group scales/zeros alike; ParallelConfig.check_model keeps whole groups);
+per-output-channel scales are replicated.
+
+Pipeline parallelism: a rank keeps its stage's layers (the others become empty placeholders, so
+names and layer indices stay global), the embedding on the first stage, norm and head on the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from baton.common.model import CausalLM, MoE
+from baton.serve.parallel.config import stage_layers
+from baton.serve.quantization.linear import FORMATS, QuantLinear
+
+
+class Slice(NamedTuple):
+    """Rows/columns [start, stop) of a checkpoint tensor along `dim`, zero-padded to `size`."""
+
+    dim: int
+    start: int
+    stop: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Shard:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    moe_parallel: str = "tensor"
+
+    def layers(self, num_layers: int) -> range:
+        return stage_layers(num_layers, self.pp_size, self.pp_rank)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+class Placeholder(nn.Module):
+    """A layer or expert another rank holds."""
+
+
+def _all_reduce_output(group):
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    return hook
+
+
+def _gather_vocab(group, tp: int, vocab: int):
+    def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(output) for _ in range(tp)]
+        dist.all_gather(parts, output.contiguous(), group=group)
+        return torch.cat(parts, -1)[..., :vocab]
+
+    return hook
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [vocab_start, vocab_start + num_embeddings) of the embedding; ids outside them look up
+    zeros, and the all-reduce sums in the rank that has each id."""
+
+    def __init__(self, num_local: int, dim: int, vocab_start: int, group, dtype: torch.dtype):
+        super().__init__(num_local, dim, device="meta", dtype=dtype)
+        self.vocab_start, self.group = vocab_start, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        dist.all_reduce(out, group=self.group)
+        return out
+
+
+class ExpertParallelMoE(MoE):
+    """The router runs on every rank (it is replicated, so all agree on the routing); each rank
+    runs only its own experts, and the all-reduce hook sums their weighted outputs."""
+
+    local_experts: range
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one host sync
+        starts = [sum(counts[:e]) for e in range(len(counts))]
+        for e in self.local_experts:
+            if not counts[e]:
+                continue
+            pick = order[starts[e] : starts[e] + counts[e]]
+            token_idx = pick // self.top_k
+            y = self.experts[e](x[token_idx]) * weights.flatten()[pick, None]
+            out.index_add_(0, token_idx, y.to(x.dtype))
+        return out.reshape(shape)
+
+
+def _local_linear(mod: nn.Module, in_features: int, out_features: int, bias: bool) -> nn.Module:
+    """A meta module of `mod`'s kind (float or the same quantized format) at local size."""
+    with torch.device("meta"):
+        if isinstance(mod, QuantLinear):
+            new = FORMATS[mod.format](in_features, out_features, bias, mod.group_size)
+            new.compute_dtype = mod.compute_dtype
+            return new
+        return nn.Linear(in_features, out_features, bias=bias, dtype=mod.weight.dtype)
+
+
+def _tensors(mod: nn.Module) -> list[str]:
+    return [
+        n
+        for n, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
+        if t is not None
+    ]
+
+
+class _Cutter:
+    def __init__(self, model: CausalLM, shard: Shard, group):
+        self.model, self.shard, self.group = model, shard, group
+        self.specs: dict[str, Slice] = {}
+
+    def replace(self, name: str, new: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), child, new)
+
+    def column(self, name: str, start: int, stop: int) -> None:
+        """Output rows [start, stop) of linear `name`: every tensor is cut along dim 0."""
+        mod = self.model.get_submodule(name)
+        new = _local_linear(mod, mod.in_features, stop - start, getattr(mod, "bias", None) is not None)
+        self.replace(name, new)
+        for t in _tensors(new):
+            self.specs[f"{name}.{t}"] = Slice(0, start, stop, stop - start)
+
+    def row(self, name: str, reduce: bool = True) -> None:
+        """This rank's 1/tp of linear `name`'s inputs: 2-D tensors are cut evenly along dim 1,
+        per-output-channel vectors replicated; the bias stays on rank 0 only."""
+        mod = self.model.get_submodule(name)
+        tp, r = self.shard.tp_size, self.shard.tp_rank
+        has_bias = getattr(mod, "bias", None) is not None and r == 0
+        new = _local_linear(mod, mod.in_features // tp, mod.out_features, has_bias)
+        self.replace(name, new)
+        for t in _tensors(new):
+            full = getattr(mod, t)
+            if full.dim() == 2:
+                n = full.shape[1] // tp
+                self.specs[f"{name}.{t}"] = Slice(1, r * n, (r + 1) * n, n)
+        if reduce:
+            new.register_forward_hook(_all_reduce_output(self.group))
+
+
+def shard_model(model: CausalLM, shard: Shard, group=None) -> dict[str, Slice]:
+    """Cut meta-device `model` in place for `shard`; returns {tensor name: slice to read}
+    (tensors not named are read whole). `group`: the rank's tensor-parallel process group."""
+    cfg = model.config
+    tp, r = shard.tp_size, shard.tp_rank
+    cut = _Cutter(model, shard, group)
+    inner = model.model
+    mine = shard.layers(cfg.num_hidden_layers)
+    for i in range(cfg.num_hidden_layers):
+        if i not in mine:
+            inner.layers[i] = Placeholder()
+    vp = -(-cfg.vocab_size // tp)  # per-rank vocabulary rows, padded so that tp divides
+    vocab = Slice(0, r * vp, min((r + 1) * vp, cfg.vocab_size), vp)
+    if shard.first_stage:
+        if tp > 1:
+            inner.embed_tokens = VocabParallelEmbedding(
+                vp, cfg.hidden_size, r * vp, group, inner.embed_tokens.weight.dtype
+            )
+            cut.specs["model.embed_tokens.weight"] = vocab
+    else:
+        inner.embed_tokens = None
+    if shard.last_stage:
+        if tp > 1:
+            with torch.device("meta"):
+                model.lm_head = nn.Linear(cfg.hidden_size, vp, bias=False, dtype=model.lm_head.weight.dtype)
+            model.lm_head.register_forward_hook(_gather_vocab(group, tp, cfg.vocab_size))
+            cut.specs["lm_head.weight"] = vocab
+    else:
+        inner.norm, model.lm_head = None, None
+    if tp == 1:
+        return cut.specs
+    d, hq, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q_heads = hq // tp
+    kv_local, kv_first = (kv // tp, r * kv // tp) if kv >= tp else (1, r // (tp // kv))
+    for i in mine:
+        p = f"model.layers.{i}"
+        cut.column(f"{p}.self_attn.q_proj", r * q_heads * d, (r + 1) * q_heads * d)
+        for proj in ("k_proj", "v_proj"):
+            cut.column(f"{p}.self_attn.{proj}", kv_first * d, (kv_first + kv_local) * d)
+        cut.row(f"{p}.self_attn.o_proj")
+        attn = inner.layers[i].self_attn
+        attn.num_heads, attn.num_kv_heads = q_heads, kv_local
+        layer = inner.layers[i]
+        if hasattr(layer, "block_sparse_moe"):
+            _shard_moe(cut, f"{p}.block_sparse_moe", layer.block_sparse_moe, shard)
+        else:
+            cols = cfg.intermediate_size // tp
+            for proj in ("gate_proj", "up_proj"):
+                cut.column(f"{p}.mlp.{proj}", r * cols, (r + 1) * cols)
+            cut.row(f"{p}.mlp.down_proj")
+    return cut.specs
+
+
+def _shard_moe(cut: _Cutter, name: str, moe: MoE, shard: Shard) -> None:
+    tp, r = shard.tp_size, shard.tp_rank
+    experts = len(moe.experts)
+    if shard.moe_parallel == "expert":
+        per = experts // tp
+        moe.__class__ = ExpertParallelMoE
+        moe.local_experts = range(r * per, (r + 1) * per)
+        for e in range(experts):
+            if e not in moe.local_experts:
+                moe.experts[e] = Placeholder()
+    else:
+        cols = moe.experts[0].w1.out_features // tp
+        for e in range(experts):
+            for w in ("w1", "w3"):
+                cut.column(f"{name}.experts.{e}.{w}", r * cols, (r + 1) * cols)
+            cut.row(f"{name}.experts.{e}.w2", reduce=False)
+    moe.register_forward_hook(_all_reduce_output(cut.group))

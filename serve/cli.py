@@ -50,7 +50,7 @@ def engine_config(args: argparse.Namespace):
     config = dataclass_from_flags(
         EngineConfig,
         args,
-        kv_cache_bytes=args.kv_cache_mb * 2**20,
+        kv_cache_bytes=_kv_cache_bytes(args),
         scheduler=scheduler,
         speculative=spec,
         parallel=parallel,
@@ -59,9 +59,21 @@ def engine_config(args: argparse.Namespace):
     return config
 
 
+def _kv_cache_bytes(args: argparse.Namespace) -> int | None:
+    if args.kv_cache_mb is not None:
+        return args.kv_cache_mb * 2**20
+    on_cuda = str(getattr(args, "device", "cpu")).startswith("cuda")
+    return None if on_cuda else 256 * 2**20
+
+
 def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     """The engine flags a reader needs most, by hand; with `full`, one derived flag per other field."""
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache budget")
+    p.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=None,
+        help="KV cache budget per rank (default: 256 on CPU; on CUDA what --gpu-memory-utilization leaves)",
+    )
     p.add_argument(
         "--kv-cache-dtype",
         choices=["auto", "int8", "fp8"],

@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
+from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
@@ -57,7 +57,8 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # exact pool size; else sized from the budget below
     kv_cache_bytes: int | None = None
-    kv_cache_fraction: float = 0.1  # of available RAM (CPU) or free GPU memory
+    kv_cache_fraction: float = 0.1  # of available RAM (CPU)
+    gpu_memory_utilization: float = 0.9  # CUDA: of the device's memory, for weights + activations + KV (vLLM's)
     swap_space_bytes: int = 64 * 1024**2  # host pool for swap preemption
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -84,8 +85,9 @@ class EngineConfig:
         for name, value in positive.items():
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 0 < self.kv_cache_fraction <= 1:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        for name in ("kv_cache_fraction", "gpu_memory_utilization"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if self.swap_space_bytes < 0 or (self.streaming_sink_tokens or 0) < 0:
             raise ValueError("swap_space_bytes and streaming_sink_tokens must be >= 0")
         if self.streaming_sink_tokens is not None and self.streaming_window_tokens is None:
@@ -185,10 +187,18 @@ class LLMEngine:
             stop()
 
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
-        budget = self.config.kv_cache_bytes
-        if budget is None:
-            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-            budget = int(free * self.config.kv_cache_fraction)
+        c = self.config
+        elem = torch.tensor([], dtype=self.model.config.dtype).element_size()
+        reserve = activation_reserve(
+            self.model.config, c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs, elem
+        )
+        budget = kv_budget_bytes(
+            device,
+            kv_cache_bytes=c.kv_cache_bytes,
+            kv_cache_fraction=c.kv_cache_fraction,
+            gpu_memory_utilization=c.gpu_memory_utilization,
+            reserve=reserve,
+        )
         blocks = budget // block_bytes
         if blocks < 1:
             raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")

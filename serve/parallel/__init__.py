@@ -64,7 +64,10 @@ def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torc
         config.num_kv_blocks,
         config.kv_cache_bytes,
         config.kv_cache_fraction,
+        config.gpu_memory_utilization,
         config.swap_space_bytes if swap else 0,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
     )
     threads = max(1, (os.cpu_count() or 1) // local)
     setup = Setup(

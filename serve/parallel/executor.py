@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 
 from baton.common.config import ModelConfig
 from baton.serve.block_manager import BlockOps
 from baton.serve.faults import EngineFault
+from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import load_shard, weight_bytes
@@ -61,7 +61,10 @@ class KVSizing:
     num_kv_blocks: int | None
     kv_cache_bytes: int | None  # per rank
     kv_cache_fraction: float
+    gpu_memory_utilization: float
     swap_space_bytes: int  # per rank; 0 without swap preemption
+    max_num_batched_tokens: int
+    max_num_seqs: int
 
 
 @dataclass
@@ -139,13 +142,15 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
     if kv.num_kv_blocks is not None:
         blocks = kv.num_kv_blocks
     else:
-        budget = kv.kv_cache_bytes
-        if budget is None:
-            if device.type == "cuda":
-                budget = int(torch.cuda.mem_get_info(device)[0] * kv.kv_cache_fraction)
-            else:  # ranks on one host share its memory
-                local = int(os.environ.get("LOCAL_WORLD_SIZE", topo.world))
-                budget = int(psutil.virtual_memory().available * kv.kv_cache_fraction / local)
+        reserve = activation_reserve(cfg, kv.max_num_batched_tokens, kv.max_num_seqs, p.element_size(), topo.tp)
+        budget = kv_budget_bytes(
+            device,
+            kv_cache_bytes=kv.kv_cache_bytes,
+            kv_cache_fraction=kv.kv_cache_fraction,
+            gpu_memory_utilization=kv.gpu_memory_utilization,
+            reserve=reserve,
+            ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", topo.world)),
+        )
         blocks = budget // block_bytes
     mine = (blocks, kv.swap_space_bytes // block_bytes, weight_bytes(model), block_bytes)
     every: list = [None] * topo.world

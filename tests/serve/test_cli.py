@@ -13,6 +13,7 @@ import baton.serve.server as server_module
 from baton.common.cli import build_parser, main
 from baton.common.flags import _scalar_type
 from baton.serve.engine import EngineConfig
+from baton.serve.parallel.config import ParallelConfig
 from baton.serve.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
@@ -124,8 +125,10 @@ def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
         "streaming_window_tokens",
         "kv_cache_dtype",
         "num_kv_blocks",
+        "gpu_memory_utilization",
     ):
         assert getattr(e, name) == getattr(defaults, name), name
+    assert e.parallel == ParallelConfig()
 
 
 @pytest.mark.parametrize(
@@ -134,6 +137,9 @@ def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):
         (["--preemption-mode", "evict"], "preemption_mode"),
         (["--block-size", "0"], "block_size must be >= 1"),
         (["--kv-cache-fraction", "2"], "kv_cache_fraction"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be >= 1"),
+        (["--moe-parallel", "data"], "moe_parallel"),
         (["--streaming-sink-tokens", "4"], "needs streaming_window"),
         (["--speculative", "ngram", "--speculative-tree-width", "0"], "tree_width"),
     ],

@@ -295,6 +295,7 @@ class LLMEngine:
         if not seq.is_finished:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
+        self.runner.release(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

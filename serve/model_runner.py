@@ -198,6 +198,10 @@ class ModelRunner:
         logits, hidden = self.head(plan, self.forward(plan))
         return ExecuteResult(logits, groups, hidden)
 
+    def release(self, seq_id: int) -> None:
+        """A sequence left the engine. This runner keeps nothing per sequence (the distributed
+        runner forgets the block table its workers hold)."""
+
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""
         if not src:

@@ -14,6 +14,7 @@ path's per-sequence prefix gather.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,31 @@ class TreeSpec:
     prefix_len: int
     depth: list[int]
     parents: list[int]
+
+
+@dataclass
+class Chunk:
+    """One scheduled sequence's part of a step, without the Sequence: what a worker needs."""
+
+    seq_id: int
+    start: int  # tokens already computed
+    evicted: int  # tokens dropped from the front of its cache (StreamingLLM / sliding window)
+    tokens: list[int]  # the chunk's token ids
+    block_table: list[int]
+    spec_parents: list[int] | None  # a speculative tree
+    sample: str  # "all" rows (speculative proposals are checked), "last", or "none" (a prompt chunk)
+
+    @classmethod
+    def of(cls, seq: Sequence, n: int) -> "Chunk":
+        start = seq.num_computed_tokens
+        sample = "all" if seq.spec_token_ids else "last" if start + n == seq.num_tokens else "none"
+        tokens = (
+            (seq.token_ids + seq.spec_token_ids)[start : start + n]
+            if seq.spec_token_ids
+            else seq.token_ids[start : start + n]
+        )
+        parents = list(seq.spec_parents) if seq.spec_parents is not None else None
+        return cls(seq.seq_id, start, seq.num_evicted_tokens, tokens, seq.block_table, parents, sample)
 
 
 @dataclass
@@ -62,46 +88,49 @@ class StepPlan:
         positions_in_cache: bool = False,
         window_in_cache: bool = True,
         return_hidden: bool = False,
-    ) -> tuple["StepPlan", list[tuple[Sequence, int]]]:
+    ) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
         """The plan and [(sequence, rows it samples)] in sampled-row order."""
+        chunks, groups = plan_chunks(scheduled)
+        return cls.from_chunks(chunks, block_size, positions_in_cache, window_in_cache, return_hidden), groups
+
+    @classmethod
+    def from_chunks(
+        cls,
+        chunks: list[Chunk],
+        block_size: int,
+        positions_in_cache: bool = False,
+        window_in_cache: bool = True,
+        return_hidden: bool = False,
+    ) -> StepPlan:
+        """The plan of chunks already in packing order (what a worker rebuilds from the wire)."""
         bs = block_size
-        trees = [x for x in scheduled if x[0].spec_parents is not None]
-        chains = [x for x in scheduled if x[0].spec_parents is None]
-        order = [x for x in chains if x[1] <= DECODE_ROWS] + [x for x in chains if x[1] > DECODE_ROWS] + trees
         plan = cls(window_in_cache=window_in_cache, return_hidden=return_hidden)
-        groups: list[tuple[Sequence, int]] = []
-        for seq, n in order:
-            start = seq.num_computed_tokens
-            first_cached = start - seq.num_evicted_tokens  # index of this chunk's first token in the cache
+        for c in chunks:
+            n = len(c.tokens)
+            first_cached = c.start - c.evicted  # index of this chunk's first token in the cache
             row0 = len(plan.ids)
-            plan.ids += (seq.token_ids + seq.spec_token_ids)[start : start + n]
-            base = first_cached if positions_in_cache else start
-            if seq.spec_parents is not None:
-                depth = tree_depths(seq.spec_parents)
+            plan.ids += c.tokens
+            base = first_cached if positions_in_cache else c.start
+            table = c.block_table
+            if c.spec_parents is not None:
+                depth = tree_depths(c.spec_parents)
                 plan.positions += [base] + [base + d for d in depth]
-                plan.trees.append(
-                    TreeSpec(row0, n, list(seq.block_table), first_cached, [0] + depth, list(seq.spec_parents))
-                )
+                plan.trees.append(TreeSpec(row0, n, table, first_cached, [0] + depth, c.spec_parents))
             else:
                 plan.positions += range(base, base + n)
-            table = seq.block_table
-            plan.slots += [table[c // bs] * bs + c % bs for c in range(first_cached, first_cached + n)]
-            if seq.spec_parents is None and n <= DECODE_ROWS:
+            plan.slots += [table[i // bs] * bs + i % bs for i in range(first_cached, first_cached + n)]
+            if c.spec_parents is None and n <= DECODE_ROWS:
                 plan.dec_tables += [table] * n
                 plan.dec_lens += range(first_cached + 1, first_cached + n + 1)
-            elif seq.spec_parents is None:
+            elif c.spec_parents is None:
                 plan.pre_tables.append(table)
                 plan.pre_prefix.append(first_cached)
                 plan.cu.append(plan.cu[-1] + n)
-            if seq.spec_token_ids:
-                rows = list(range(row0, row0 + n))  # every proposal is checked
-            elif start + n == seq.num_tokens:
-                rows = [len(plan.ids) - 1]
-            else:
-                continue
-            plan.sample_rows += rows
-            groups.append((seq, len(rows)))
-        return plan, groups
+            if c.sample == "all":
+                plan.sample_rows += range(row0, row0 + n)
+            elif c.sample == "last":
+                plan.sample_rows.append(len(plan.ids) - 1)
+        return plan
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [1, T], positions [1, T], attention metadata) on `device`."""
@@ -132,6 +161,77 @@ class StepPlan:
         input_ids = torch.tensor([self.ids], dtype=torch.long, device=dev)
         pos = torch.tensor([self.positions], dtype=torch.long, device=dev)
         return input_ids, pos, md
+
+
+def plan_chunks(scheduled: list[tuple[Sequence, int]]) -> tuple[list[Chunk], list[tuple[Sequence, int]]]:
+    """The step's chunks in packing order - decode rows, then prefill chunks, then speculative
+    trees (see the module docstring) - and [(sequence, rows it samples)] in sampled-row order."""
+    trees = [x for x in scheduled if x[0].spec_parents is not None]
+    chains = [x for x in scheduled if x[0].spec_parents is None]
+    order = [x for x in chains if x[1] <= DECODE_ROWS] + [x for x in chains if x[1] > DECODE_ROWS] + trees
+    chunks = [Chunk.of(seq, n) for seq, n in order]
+    groups = [(seq, n if c.sample == "all" else 1) for (seq, n), c in zip(order, chunks) if c.sample != "none"]
+    return chunks, groups
+
+
+@dataclass
+class WireStep:
+    """A step as it travels to the workers: the chunks with each block table sent as a delta
+    against the table the workers already hold for that sequence (the blocks kept from the front,
+    then the new tail: usually nothing or one new block), and the sequences to forget."""
+
+    chunks: list[Chunk]  # block_table holds only the new tail
+    keep: list[int]  # per chunk: leading blocks of the previous table that stay
+    released: list[int]
+    positions_in_cache: bool
+    window_in_cache: bool
+    return_hidden: bool
+
+
+class TableSender:
+    """The driver's copy of the block tables its workers hold."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[int]] = {}
+        self.released: list[int] = []
+
+    def release(self, seq_id: int) -> None:
+        if self.sent.pop(seq_id, None) is not None:
+            self.released.append(seq_id)
+
+    def encode(
+        self, chunks: list[Chunk], positions_in_cache: bool, window_in_cache: bool, return_hidden: bool
+    ) -> WireStep:
+        wire, keep = [], []
+        for c in chunks:
+            old, new = self.sent.get(c.seq_id, []), c.block_table
+            k = 0
+            while k < len(old) and k < len(new) and old[k] == new[k]:
+                k += 1
+            self.sent[c.seq_id] = list(new)
+            keep.append(k)
+            wire.append(dataclasses.replace(c, block_table=new[k:]))
+        released, self.released = self.released, []
+        return WireStep(wire, keep, released, positions_in_cache, window_in_cache, return_hidden)
+
+
+class TableReceiver:
+    """A worker's block tables, kept in step with the driver's TableSender."""
+
+    def __init__(self) -> None:
+        self.tables: dict[int, list[int]] = {}
+
+    def decode(self, step: WireStep, block_size: int) -> StepPlan:
+        for seq_id in step.released:
+            self.tables.pop(seq_id, None)
+        chunks = []
+        for c, k in zip(step.chunks, step.keep):
+            table = self.tables.get(c.seq_id, [])[:k] + c.block_table
+            self.tables[c.seq_id] = table
+            chunks.append(dataclasses.replace(c, block_table=table))
+        return StepPlan.from_chunks(
+            chunks, block_size, step.positions_in_cache, step.window_in_cache, step.return_hidden
+        )
 
 
 def split_for_pipeline(scheduled: list[tuple[Sequence, int]], parts: int) -> list[list[tuple[Sequence, int]]]:

@@ -43,7 +43,7 @@ from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
 from baton.serve.sequence import Sequence
-from baton.serve.step_plan import StepPlan, split_for_pipeline
+from baton.serve.step_plan import StepPlan, TableReceiver, TableSender, plan_chunks, split_for_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +203,12 @@ def run_step(
 
 
 def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
+    tables = TableReceiver()
     while True:
         cmd = _broadcast(None, topo)
         kind = cmd[0]
         if kind == "step":
-            run_step(runner, cmd[1], topo)
+            run_step(runner, [tables.decode(w, runner.block_size) for w in cmd[1]], topo)
         elif kind == "ops":
             runner.apply_block_ops(cmd[1])
         elif kind == "move":
@@ -252,8 +253,9 @@ class DistributedRunner:
                 proc.start()
                 self.procs.append(proc)
         self._lock = threading.Lock()
+        self.tables = TableSender()  # the block tables the workers hold, sent as deltas
         self.failure: str | None = None
-        self.control_s, self.control_bytes, self.steps = 0.0, 0, 0  # the control plane, measured
+        self.control_s, self.steps = 0.0, 0  # the control plane (command broadcasts), measured
         t0 = time.monotonic()
         try:
             self.topo = _init_groups(0, world, par, setup.device_type, init_method)
@@ -303,6 +305,9 @@ class DistributedRunner:
             self._command(("ops", ops))
             self.local.apply_block_ops(ops)
 
+    def release(self, seq_id: int) -> None:
+        self.tables.release(seq_id)  # the workers forget it with the next step
+
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         if not src:
             return
@@ -317,17 +322,20 @@ class DistributedRunner:
         window_in_cache: bool = True,
         return_hidden: bool = False,
     ) -> ExecuteResult:
-        parts = split_for_pipeline(scheduled, self.parallel.pipeline_parallel_size)
-        built = [StepPlan.build(p, self.block_size, positions_in_cache, window_in_cache, return_hidden) for p in parts]
-        plans = [plan for plan, _ in built]
+        plans, wires, groups = [], [], []
+        for part in split_for_pipeline(scheduled, self.parallel.pipeline_parallel_size):
+            chunks, part_groups = plan_chunks(part)
+            flags = (positions_in_cache, window_in_cache, return_hidden)
+            plans.append(StepPlan.from_chunks(chunks, self.block_size, *flags))
+            wires.append(self.tables.encode(chunks, *flags))
+            groups += part_groups
         with self._lock:
-            self._command(("step", plans))
+            self._command(("step", wires))
             try:
                 results = run_step(self.local, plans, self.topo)
             except Exception as e:
                 self._lost(f"the sharded forward failed ({e!r})")
             self.steps += 1
-        groups = [g for _, gs in built for g in gs]
         logits = torch.cat([lg for lg, _ in results])
         hidden = torch.cat([h for _, h in results]) if return_hidden else None
         return ExecuteResult(logits, groups, hidden)

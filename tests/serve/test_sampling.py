@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.sampler import apply_penalties, sample, truncate
+from baton.serve.sampler import apply_penalties, sample, target_distribution, target_distributions, truncate
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
@@ -60,6 +60,133 @@ def test_sampling_follows_the_distribution_and_logprobs_are_raw():
         counts[r.token_id] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.03)
     assert set(r.logprobs) >= {0, 1} and math.isclose(r.logprobs[0], math.log(0.5), rel_tol=1e-5)
+
+
+def _reference_distribution(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """The sampling distribution of one row, written out per token in float64 (no sampler code)."""
+    p, vocab = seq.params, row.numel()
+    x = [-math.inf if math.isnan(v) else min(v, 3.4028234663852886e38) for v in row.double().tolist()]
+    if p.repetition_penalty != 1.0:
+        for t in set(seq.token_ids):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(seq.output_token_ids):
+        c = seq.output_token_ids.count(t)
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    x = torch.tensor(x, dtype=torch.float64)
+    if p.greedy:
+        return torch.nn.functional.one_hot(torch.argmax(x), vocab).double()
+    logp = torch.log_softmax(x / p.temperature, -1)
+    # top-k and top-p keep every token tied with their boundary token
+    keep = [True] * vocab
+    order = sorted(range(vocab), key=lambda t: -logp[t].item())
+    if 0 < p.top_k < vocab:
+        kth = logp[order[p.top_k - 1]].item()
+        keep = [logp[t].item() >= kth for t in range(vocab)]
+    if p.top_p < 1.0:
+        kept_mass = sum(math.exp(logp[t]) for t in range(vocab) if keep[t])
+        cum = 0.0
+        for t in (t for t in order if keep[t]):
+            cum += math.exp(logp[t]) / kept_mass
+            if cum >= p.top_p:  # the token that crosses top_p: nothing below it is kept
+                keep = [k and logp[u].item() >= logp[t].item() for u, k in enumerate(keep)]
+                break
+    if p.min_p > 0.0:
+        top = math.exp(logp.max())
+        keep = [k and math.exp(logp[t]) >= p.min_p * top for t, k in enumerate(keep)]
+    return torch.softmax(logp.masked_fill(~torch.tensor(keep), -math.inf), -1)
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=3),
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5, logprobs=0),
+    SamplingParams(temperature=1.0, top_p=0.8),
+    SamplingParams(temperature=1.3, min_p=0.05),
+    SamplingParams(
+        temperature=0.9,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logprobs=5,
+    ),
+    SamplingParams(temperature=1.5, top_k=40, top_p=0.95, seed=123),
+    SamplingParams(temperature=1.0, frequency_penalty=-2.0, presence_penalty=2.0, seed=7),
+    SamplingParams(temperature=1e-6, top_k=3),  # below SAMPLING_EPS: greedy
+    SamplingParams(temperature=1.0, top_k=2, top_p=0.5),  # ties (_mixed_batch): 1 token, then 45 tied
+    # top_p under float32's range keeps the top token, after penalties: the raw argmax is penalized
+    SamplingParams(temperature=1.0, top_p=1e-300, repetition_penalty=100.0),
+]
+
+
+def _mixed_batch(vocab=200, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(MIXED), vocab, generator=g) * 3
+    logits[2, ::7] = -math.inf
+    logits[4, 11] = math.nan
+    # one token, then 45 tied below it, more than topk(40) lists: with all 45 its mass is 42/87 < top_p
+    logits[10] = -20.0
+    logits[10, 50:95] = 0.0
+    logits[10, 3] = math.log(42)
+    seqs = []
+    for i, params in enumerate(MIXED):
+        prompt = torch.randint(0, vocab, (12,), generator=g).tolist()
+        output = torch.randint(0, vocab, (6,), generator=g).tolist() + [int(torch.argmax(logits[i]))] * 2
+        s = Sequence(i, "r", 0, prompt, params)
+        s.token_ids += output
+        s.make_generator()
+        seqs.append(s)
+    return logits, seqs
+
+
+def test_batched_sampling_matches_a_per_row_reference():
+    logits, seqs = _mixed_batch()
+    want = torch.stack([_reference_distribution(row, s) for row, s in zip(logits, seqs)])
+    got = target_distributions(logits, seqs)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    for i, s in enumerate(seqs):
+        assert ((got[i] > 0) == (want[i] > 0)).all(), (i, s.params)  # the same tokens survive
+        assert torch.allclose(got[i].double(), want[i], atol=1e-6, rtol=1e-4), (i, s.params)
+        alone = target_distribution(logits[i], s)  # the single-row path (speculative verification)
+        assert torch.allclose(alone, got[i], atol=1e-7, rtol=1e-6) and ((alone > 0) == (got[i] > 0)).all()
+    results = sample(logits, seqs)
+    for i, (r, s) in enumerate(zip(results, seqs)):
+        if s.params.greedy:
+            assert r.token_id == int(torch.argmax(want[i])), i
+        assert want[i][r.token_id] > 0, (i, r.token_id)  # never a token the distribution excludes
+        if s.params.logprobs is None:
+            assert r.logprobs is None
+            continue
+        raw = torch.log_softmax(torch.nan_to_num(logits[i].double(), nan=-math.inf), -1)
+        top = set(torch.topk(raw, s.params.logprobs).indices.tolist())
+        assert set(r.logprobs) == top | {r.token_id}, i
+        for t, v in r.logprobs.items():
+            assert math.isclose(v, raw[t].item(), rel_tol=1e-5, abs_tol=1e-5), (i, t)
+
+
+def test_a_seeded_row_draws_the_same_tokens_whatever_the_batch():
+    logits, seqs = _mixed_batch()
+    seeded = 7  # temperature 1.5, top_k 40, top_p 0.95, seed 123
+
+    def tokens(order: list[int], steps: int = 40) -> list[int]:
+        fresh = []
+        for i in order:  # new sequences: each seeded one starts its generator afresh
+            s = Sequence(i, "r", 0, seqs[i].prompt_token_ids, seqs[i].params)
+            s.token_ids = list(seqs[i].token_ids)
+            s.make_generator()
+            fresh.append(s)
+        rows = logits[order]
+        at = order.index(seeded)
+        return [sample(rows, fresh)[at].token_id for _ in range(steps)]
+
+    alone = tokens([seeded])
+    assert len(set(alone)) > 1  # it does sample
+    assert tokens(list(range(len(MIXED)))) == alone
+    assert tokens([9, 8, seeded, 3, 2]) == alone
+    assert tokens([4, 5, 6, 0, 1, seeded]) == alone
 
 
 @pytest.fixture(scope="module")

@@ -140,12 +140,19 @@ class MoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token_idx, slot = torch.where(chosen == e)
-            if token_idx.numel() == 0:
-                continue
-            y = expert(x[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(x.dtype))
+        # Token-slots grouped by expert (stable: in token order within one, as torch.where gave them),
+        # and one host sync for the group sizes instead of one per expert.
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        slot_weights = weights.flatten()[order]
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                token_idx = order[start : start + n] // self.top_k
+                y = expert(x[token_idx]) * slot_weights[start : start + n, None]
+                out.index_add_(0, token_idx, y.to(x.dtype))
+            start += n
         return out.reshape(shape)
 
 

@@ -98,10 +98,25 @@ class Topology:
         return (self.pp - 1) * self.tp
 
 
-def _init_groups(rank: int, world: int, par: ParallelConfig, device_type: str, init_method: str) -> Topology:
+Rendezvous = str | tuple[str, int]  # "env://" (torchrun/srun), or the driver's TCPStore (host, port)
+
+
+def _connect(rendezvous: Rendezvous, world: int, timeout: timedelta) -> dist.Store | None:
+    if isinstance(rendezvous, str):
+        return None
+    host, port = rendezvous
+    return dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+
+
+def _init_groups(
+    rank: int, world: int, par: ParallelConfig, device_type: str, rendezvous: Rendezvous | dist.Store
+) -> Topology:
     backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = timedelta(seconds=par.distributed_timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+    if isinstance(rendezvous, str):
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=rendezvous, rank=rank, world_size=world, timeout=timeout)
     topo = Topology(rank, world, par.tensor_parallel_size, par.pipeline_parallel_size)
     for stage in range(topo.pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * topo.tp, (stage + 1) * topo.tp))
@@ -217,18 +232,28 @@ def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
             return
 
 
-def worker_main(rank: int, world: int, init_method: str, par: ParallelConfig, device_type: str) -> None:
-    """A worker rank: join the group, build the shard the driver describes, run its commands."""
+def worker_main(rank: int, world: int, rendezvous: Rendezvous, par: ParallelConfig, device_type: str) -> None:
+    """A worker rank: join the group, build the shard the driver describes, run its commands. A
+    failure is written to the driver's store (so its error names the cause) and ends the process."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    store = None
     try:
-        topo = _init_groups(rank, world, par, device_type, init_method)
+        store = _connect(rendezvous, world, timedelta(seconds=par.distributed_timeout_s))
+        if store is not None:
+            store.set(f"baton/joined/{rank}", "1")
+        topo = _init_groups(rank, world, par, device_type, store if store is not None else rendezvous)
         setup = _broadcast(None, topo)
         runner = _build(setup, topo)
         log.info("rank %d ready: %s, layers %s", rank, topo.shard, list(runner.layer_ids))
         _serve_commands(runner, topo)
         log.info("rank %d stopping", rank)
-    except Exception:
+    except Exception as e:
         log.exception("rank %d failed; exiting (the driver sees its group break)", rank)
+        if store is not None:
+            try:
+                store.set(f"baton/error/{rank}", f"{type(e).__name__}: {e}"[:2000])
+            except Exception:
+                pass
         os._exit(1)
     dist.destroy_process_group()
 
@@ -239,14 +264,16 @@ class DistributedRunner:
     def __init__(self, model_dir: str | Path, setup: Setup, par: ParallelConfig, init_method: str | None = None):
         self.parallel, world = par, par.world_size
         self.procs: list[mp.process.BaseProcess] = []
-        if init_method is None:  # local: spawn the workers on this host
-            port = _free_port()
-            init_method = f"tcp://127.0.0.1:{port}"
+        self.store: dist.Store | None = None
+        timeout = timedelta(seconds=par.distributed_timeout_s)
+        if init_method is None:  # local: spawn the workers on this host, rendezvous at our own store
+            # port 0: the OS picks a free port as the store binds it (no race with other jobs)
+            self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
                 proc = ctx.Process(
                     target=worker_main,
-                    args=(rank, world, init_method, par, setup.device_type),
+                    args=(rank, world, ("127.0.0.1", self.store.port), par, setup.device_type),
                     name=f"baton-worker-{rank}",
                     daemon=True,
                 )
@@ -258,11 +285,16 @@ class DistributedRunner:
         self.control_s, self.steps = 0.0, 0  # the control plane (command broadcasts), measured
         t0 = time.monotonic()
         try:
-            self.topo = _init_groups(0, world, par, setup.device_type, init_method)
+            if self.store is not None:
+                self._wait_for_workers(world, par.distributed_timeout_s)
+            self.topo = _init_groups(0, world, par, setup.device_type, self.store or init_method)
             _broadcast(setup, self.topo)
             self.local = _build(setup, self.topo)
-        except Exception:
+        except Exception as e:
+            why = self._worker_errors()
             self._kill()
+            if why:
+                raise RuntimeError(f"distributed start-up failed: {why}") from e
             raise
         log.info(
             "%d ranks ready in %.1f s (tensor %d x pipeline %d); weights per rank %s MiB",
@@ -279,6 +311,35 @@ class DistributedRunner:
         self._heartbeat = threading.Thread(target=self._beat, name="baton-heartbeat", daemon=True)
         self._heartbeat.start()
 
+    def _wait_for_workers(self, world: int, timeout_s: float) -> None:
+        """Every spawned worker has reached our store - or one died, or the time is up: say which."""
+        keys = [f"baton/joined/{r}" for r in range(1, world)]
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(
+                    f"worker {dead[0].name} exited (code {dead[0].exitcode}) before joining: "
+                    + (self._worker_errors() or "see its log above")
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the workers did not join within distributed_timeout_s={timeout_s}")
+            time.sleep(0.05)
+
+    def _worker_errors(self) -> str:
+        """What failed workers wrote to the store before exiting."""
+        if self.store is None:
+            return ""
+        found = []
+        for r in range(1, self.parallel.world_size):
+            key = f"baton/error/{r}"
+            try:
+                if self.store.check([key]):
+                    found.append(f"rank {r}: {self.store.get(key).decode()}")
+            except Exception:
+                break
+        return "; ".join(found)
+
     # ------------------------------------------------------------------------------ commands
     def _command(self, cmd: tuple) -> None:
         if self.failure is not None:
@@ -293,7 +354,8 @@ class DistributedRunner:
 
     def _lost(self, reason: str):
         if self.failure is None:
-            self.failure = reason
+            why = self._worker_errors()
+            self.failure = f"{reason}; {why}" if why else reason
             log.error("distributed serving is down: %s", reason)
         self._kill()
         raise WorkerLost(self.failure)
@@ -388,11 +450,3 @@ class DistributedRunner:
                 p.kill()
         for p in self.procs:
             p.join(5)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -63,11 +63,20 @@ class DraftProposer:
 
     wants_hidden = False
 
-    def __init__(self, cfg: SpeculativeConfig, target_vocab: int):
+    def __init__(
+        self,
+        cfg: SpeculativeConfig,
+        target_vocab: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+    ):
+        """The draft is loaded onto the target's device, in the target's dtype when that is a float
+        one (a float checkpoint converts; None keeps the checkpoint's own dtype)."""
         from baton.common.checkpoint import load_checkpoint
 
         self.cfg = cfg
-        draft = load_checkpoint(cfg.draft_model).model
+        float_dtype = dtype if dtype is not None and dtype.is_floating_point else None
+        draft = load_checkpoint(cfg.draft_model, device=device, dtype=float_dtype).model
         if draft.config.vocab_size != target_vocab:
             raise ValueError(
                 f"draft model vocab {draft.config.vocab_size} != target vocab {target_vocab}: "
@@ -187,7 +196,7 @@ def make_proposer(
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     if cfg.method == "draft":
-        return DraftProposer(cfg, vocab)
+        return DraftProposer(cfg, vocab, device, dtype)  # the draft runs where the target runs
     if model_dir is None:
         raise ValueError("Medusa needs the checkpoint directory holding medusa.safetensors")
     return MedusaProposer(cfg, model_dir, device, dtype)

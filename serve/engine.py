@@ -18,6 +18,7 @@ the scheduler still makes no progress, the request at the head of the queue fail
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -143,6 +144,10 @@ class LLMEngine:
         self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
         self._failed: list[RequestState] = []  # failed during the current step, which reports them
         self.speculative: SpeculativeDecoder | None = None
+        # Batches in flight at once: one per pipeline stage when the runner can overlap them (not
+        # with speculation: proposals need the previous step's tokens).
+        self._depth = getattr(runner, "max_in_flight", 1) if config.speculative is None else 1
+        self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         if config.speculative is not None:
             if config.streaming:
                 raise ValueError("speculative decoding and StreamingLLM cannot be combined")
@@ -324,6 +329,8 @@ class LLMEngine:
     # ------------------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
         """schedule -> execute -> postprocess; a failure is contained as the module docstring says."""
+        if self._depth > 1:
+            return self._pipelined_step()
         if self.speculative is not None:
             self.speculative.propose(self.scheduler.running, self.fault_injector, self._fail_seq)
         sched = self.scheduler.schedule()
@@ -331,14 +338,38 @@ class LLMEngine:
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
                 self._fail_unschedulable()
-        elif (result := self._execute(sched)) is not None:
+        elif (result := self._execute(sched, self.runner.execute)) is not None:
             self.scheduler.postprocess(sched, self._fail_seq)
             touched = self._append_tokens(result)
         return self._outputs(touched)
 
-    def _execute(self, sched: SchedulerOutput) -> ExecuteResult | None:
-        """The step's block ops, then the batched forward; None when either raised (then the
-        requests in the batch have failed)."""
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism without idle stages (vLLM's virtual engines): up to one batch per
+        stage in flight, each of sequences no other in-flight batch holds. A step submits a new batch
+        while the pipe has room and there is work for it, else finishes the oldest batch."""
+        if len(self._in_flight) < self._depth:
+            busy = {seq.seq_id for s, _ in self._in_flight for seq, _ in s.scheduled}
+            sc = self.scheduler
+            active = min(len(sc.running) + len(sc.waiting) + len(sc.swapped), sc.config.max_num_seqs)
+            sched = sc.schedule(exclude=busy, max_seqs=max(1, -(-active // self._depth)))
+            if sched.scheduled:
+                handle = self._execute(sched, self.runner.submit)
+                if handle is not None:
+                    self._in_flight.append((sched, handle))
+                if len(self._in_flight) < self._depth:
+                    return self._outputs({})
+            elif not self._in_flight and self.scheduler.has_work() and not sched.preempted:
+                self._fail_unschedulable()
+        if not self._in_flight:
+            return self._outputs({})
+        sched, handle = self._in_flight.popleft()
+        result = self.runner.collect(handle)  # a lost worker raises EngineFault: the engine is dead
+        self.scheduler.postprocess(sched, self._fail_seq)
+        return self._outputs(self._append_tokens(result))
+
+    def _execute(self, sched: SchedulerOutput, run):
+        """The step's block ops, then `run` (the runner's execute, or submit); None when either
+        raised (then the requests in the batch have failed)."""
         positions_in_cache = bool(self.eviction and self.eviction.positions_in_cache)
         want_hidden = self.speculative is not None and self.speculative.wants_hidden
         applied = False
@@ -348,7 +379,7 @@ class LLMEngine:
             if self.fault_injector is not None:
                 for seq, _ in sched.scheduled:
                     self.fault_injector("forward", seq)
-            return self.runner.execute(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
+            return run(sched.scheduled, positions_in_cache, not positions_in_cache, want_hidden)
         except EngineFault:  # the runner itself is broken (a sharded model lost a worker): the engine is dead
             raise
         except Exception as e:
@@ -367,7 +398,11 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         rows, targets, row = [], [], 0
         for seq, nrows in result.groups:
-            req = touched[seq.request_id] = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None:  # aborted while its batch was in flight (pipelined steps)
+                row += nrows
+                continue
+            touched[seq.request_id] = req
             try:  # (a finished sequence's request failed with another of its samples)
                 if seq.spec_token_ids and not seq.is_finished:
                     spec.verify(

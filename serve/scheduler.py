@@ -115,15 +115,22 @@ class Scheduler:
         return (0.0, seq.arrival_time, seq.seq_id)
 
     # ---------------------------------------------------------------------------------- step
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, exclude: set[int] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+        """`exclude`: ids of running sequences in a batch still in flight (pipelined steps): they
+        are neither scheduled nor preempted. `max_seqs`: at most this many sequences this step
+        (pipelined steps split the sequences between the batches in flight)."""
+        cap = max_seqs if max_seqs is not None else self.config.max_num_seqs
         now = time.monotonic()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda s: self._key(s, now))
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < cap:
             seq = self.running[i]
+            if seq.seq_id in exclude:
+                i += 1
+                continue
             if self.eviction is not None:
                 self.eviction.evict(seq, self.bm)
             n = self._chunk(seq, budget)
@@ -131,7 +138,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.bm.allocate_slots(seq, n):
-                victim = self.running.pop()  # lowest priority
+                victim = next(s for s in reversed(self.running) if s.seq_id not in exclude)  # lowest priority
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -144,7 +152,7 @@ class Scheduler:
         used, limit = sum(map(slots, self.running)), self.config.max_num_seqs
         if not out.preempted:  # resume before admitting: swapped sequences are older
             self.swapped.sort(key=lambda s: self._key(s, now))
-            while self.swapped and budget > 0 and used + slots(self.swapped[0]) <= limit:
+            while self.swapped and budget > 0 and used + slots(self.swapped[0]) <= limit and len(out.scheduled) < cap:
                 seq = self.swapped[0]
                 n = self._chunk(seq, budget)
                 if n == 0 or not self.bm.can_swap_in(seq, n):
@@ -161,7 +169,7 @@ class Scheduler:
 
         if not out.preempted and not self.swapped:
             self.waiting.sort(key=lambda s: self._key(s, now))
-            while self.waiting and budget > 0 and used + slots(self.waiting[0]) <= limit:
+            while self.waiting and budget > 0 and used + slots(self.waiting[0]) <= limit and len(out.scheduled) < cap:
                 seq = self.waiting[0]
                 hit = self.bm.match_prefix(seq)  # waiting sequences hold no blocks
                 seq.num_computed_tokens = hit
@@ -191,6 +199,8 @@ class Scheduler:
         prefix cache. Speculative sequences advance in verification instead, by what is accepted.
         A raise fails that sequence's request only."""
         for seq, n in out.scheduled:
+            if seq.is_finished:  # aborted while its batch was in flight
+                continue
             if not seq.spec_token_ids:
                 seq.num_computed_tokens += n
                 if seq.num_computed_tokens <= seq.num_prompt_tokens:

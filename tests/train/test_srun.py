@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from baton.common.cli import main
-from baton.train.distributed import first_host, read_launch, slurm_port
+from baton.common.launch import first_host, read_launch, slurm_port
 
 from .conftest import environment, train_args
 

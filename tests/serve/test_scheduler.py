@@ -77,3 +77,26 @@ def test_kv_pool_sized_from_byte_budget(tmp_path):
         LLMEngine.from_checkpoint(ckpt, EngineConfig(block_size=16, kv_cache_bytes=100))
     frac = LLMEngine.from_checkpoint(ckpt, EngineConfig(block_size=16, kv_cache_fraction=0.001))
     assert frac.block_manager.num_blocks > 0
+
+
+def test_pipelined_batches_split_the_sequences_and_never_touch_one_in_flight():
+    """Pipelined steps (pipeline parallelism): a batch in flight keeps its sequences; the next batch
+    takes others, at most max_seqs, and when the pool runs out it preempts one not in flight."""
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(5, 4))
+    seqs = [_seq(i, 4, arrival=float(i)) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    first = sched.schedule(max_seqs=2)
+    assert [s.seq_id for s, _ in first.scheduled] == [0, 1]
+    busy = {s.seq_id for s, _ in first.scheduled}
+    second = sched.schedule(exclude=busy, max_seqs=2)
+    assert [s.seq_id for s, _ in second.scheduled] == [2, 3]
+    for out in (first, second):
+        for s, n in out.scheduled:
+            s.num_computed_tokens += n
+            s.token_ids += [7] * 4  # each now needs a second block; one block is left
+    in_flight = {s.seq_id for s, _ in second.scheduled}  # the newest: FCFS would preempt them first
+    third = sched.schedule(exclude=in_flight, max_seqs=4)
+    assert [s.seq_id for s, _ in third.scheduled] == [0]
+    assert [s.seq_id for s in third.preempted] == [1]
+    assert len(seqs[2].block_table) == len(seqs[3].block_table) == 1  # in flight: untouched

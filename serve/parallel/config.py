@@ -22,6 +22,7 @@ class ParallelConfig:
     moe_parallel: str = "tensor"  # Mixtral experts: "tensor" (every expert split) or "expert" (whole experts per rank)
     distributed_timeout_s: float = 300.0  # a worker silent this long (in a collective) is declared dead
     heartbeat_s: float = 1.0  # an idle driver pings its workers this often, so a dead one is noticed
+    shared_memory: bool = True  # tensor-parallel collectives through /dev/shm when a group shares one CPU host
 
     @property
     def world_size(self) -> int:

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from baton.common.model import CausalLM, MoE
+from baton.serve.parallel.comm import all_gather, all_reduce
 from baton.serve.parallel.config import stage_layers
 from baton.serve.quantization.linear import FORMATS, QuantLinear
 
@@ -71,17 +71,14 @@ class Placeholder(nn.Module):
 
 def _all_reduce_output(group):
     def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(output, group=group)
-        return output
+        return all_reduce(output, group)
 
     return hook
 
 
 def _gather_vocab(group, tp: int, vocab: int):
     def hook(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(output) for _ in range(tp)]
-        dist.all_gather(parts, output.contiguous(), group=group)
-        return torch.cat(parts, -1)[..., :vocab]
+        return torch.cat(all_gather(output, group, tp), -1)[..., :vocab]
 
     return hook
 
@@ -99,8 +96,7 @@ class VocabParallelEmbedding(nn.Embedding):
         outside = (local < 0) | (local >= self.num_embeddings)
         out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        dist.all_reduce(out, group=self.group)
-        return out
+        return all_reduce(out, self.group)
 
 
 class ExpertParallelMoE(MoE):
@@ -170,6 +166,11 @@ class _Cutter:
         per-output-channel vectors replicated; the bias stays on rank 0 only."""
         mod = self.model.get_submodule(name)
         tp, r = self.shard.tp_size, self.shard.tp_rank
+        if isinstance(mod, QuantLinear) and mod.format == "int4" and (mod.in_features // tp) % mod.group_size:
+            raise ValueError(  # ParallelConfig.check_model refuses this layout before any process starts
+                f"{name}: its {mod.in_features} int4 inputs split {tp} ways are {mod.in_features // tp} columns, "
+                f"not whole quantization groups of {mod.group_size}"
+            )
         has_bias = getattr(mod, "bias", None) is not None and r == 0
         new = _local_linear(mod, mod.in_features // tp, mod.out_features, has_bias)
         self.replace(name, new)

@@ -142,16 +142,22 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from baton.serve.parallel import launched_rank
+    """Serve (rank 0, or a plain process) or, on the other ranks of a torchrun/srun job, run a worker."""
+    from baton.serve.parallel import check_layout, launched_rank, rendezvous
     from baton.serve.runtime import Limits
     from baton.serve.server import ServerConfig, run
 
     engine = engine_config(args)
-    launched = launched_rank()
-    if launched is not None and launched[0] > 0:  # torchrun/srun started this process as a worker rank
+    launch = launched_rank()
+    if launch is not None or engine.parallel.world_size > 1:  # every rank refuses a bad layout alike, at once
+        check_layout(args.model, engine.parallel, args.device, launch)
+    if launch is not None and launch.rank > 0:
         from baton.serve.parallel.executor import worker_main
 
-        worker_main(launched[0], launched[1], "env://", engine.parallel, args.device.split(":")[0])
+        local = (launch.local_rank, launch.local_world_size)
+        worker_main(
+            launch.rank, launch.world_size, rendezvous(launch), engine.parallel, args.device.split(":")[0], local
+        )
         return 0
     limits = Limits(
         max_concurrent=args.max_concurrent,

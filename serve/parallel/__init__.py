@@ -14,23 +14,33 @@ from pathlib import Path
 import torch
 
 from baton.common.checkpoint import read_config, verify_hashes
+from baton.common.errors import UserError
+from baton.common.launch import Launch, read_launch
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.loader import quantization_config
 
-__all__ = ["ParallelConfig", "start_distributed", "launched_rank"]
+__all__ = ["ParallelConfig", "check_layout", "launched_rank", "rendezvous", "start_distributed"]
 
 
-def launched_rank() -> tuple[int, int] | None:
-    """(rank, world size) when a launcher (torchrun, or srun via its variables) started this process
-    as one rank of a serving job; None for a plain process (it spawns its own workers)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
+def launched_rank() -> Launch | None:
+    """This process's place in a serving job that torchrun or `srun -n N` started (rank 0 serves,
+    the others run worker_main); None for a plain process (it spawns its own workers). An srun or
+    launcher environment that would not make one job is refused (a UserError, before any process)."""
+    launch = read_launch(command="serve")
+    return None if launch.source == "single" else launch
 
 
-def check_layout(path: str | Path, par: ParallelConfig, device: str) -> None:
-    """Everything that can be refused before a process starts: sizes, divisibility, devices."""
+def rendezvous(launch: Launch) -> str:
+    """The init method for a launched rank: env://, with srun's variables turned into the launcher's
+    (MASTER_ADDR = the step's first node, MASTER_PORT derived from the job and step ids)."""
+    os.environ.update(launch.env)
+    return "env://"
+
+
+def check_layout(path: str | Path, par: ParallelConfig, device: str, launch: Launch | None = None) -> None:
+    """Everything that can be refused before a process starts: sizes, divisibility, devices, and a
+    launcher that started another number of processes than tensor x pipeline parallel needs."""
     par.validate()
     cfg = read_config(path)
     raw = quantization_config(path)
@@ -39,13 +49,14 @@ def check_layout(path: str | Path, par: ParallelConfig, device: str) -> None:
         q = QuantConfig.from_hf(raw)
         group = q.group_size if q.format == "int4" else None
     par.check_model(cfg, group)
-    launched = launched_rank()
-    nnodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("SLURM_NNODES", 1))) if launched else 1
-    if launched and launched[1] != par.world_size:
-        raise ValueError(
-            f"the launcher started {launched[1]} processes but tensor x pipeline parallel is {par.world_size}"
+    if launch is not None and launch.world_size != par.world_size:
+        raise UserError(
+            f"the launcher started {launch.world_size} processes ({launch.source}) but tensor x pipeline "
+            f"parallel is {par.tensor_parallel_size} x {par.pipeline_parallel_size} = {par.world_size}: "
+            "start one process per rank, with the same -tp/-pp on every one"
         )
-    par.check_devices(device, nnodes)
+    local = launch.local_world_size if launch is not None else par.world_size
+    par.check_devices(device, -(-par.world_size // local))
 
 
 def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torch.dtype | None = None):
@@ -53,10 +64,15 @@ def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torc
     from baton.serve.parallel.executor import DistributedRunner, KVSizing, Setup
 
     par = config.parallel
-    check_layout(path, par, device)
+    launch = launched_rank()
+    if launch is not None and launch.rank != 0:
+        raise UserError(
+            f"this process is rank {launch.rank} of a launched job: only rank 0 builds the engine, the "
+            "others run worker_main (`baton serve` does this on every rank)"
+        )
+    check_layout(path, par, device, launch)
     verify_hashes(path)  # once, here; the workers read only their slices
-    launched = launched_rank()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", par.world_size)) if launched else par.world_size
+    local = launch.local_world_size if launch is not None else par.world_size
     swap = config.scheduler.preemption_mode == "swap"
     kv = KVSizing(
         config.block_size,
@@ -73,4 +89,6 @@ def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torc
     setup = Setup(
         str(path), torch.device(device).type, str(dtype).removeprefix("torch.") if dtype else None, par, kv, threads
     )
-    return DistributedRunner(path, setup, par, init_method="env://" if launched else None)
+    if launch is None:
+        return DistributedRunner(setup, par)
+    return DistributedRunner(setup, par, rendezvous(launch), launch.local_world_size)

@@ -25,11 +25,14 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
+import signal
+import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,8 @@ from baton.serve.block_manager import BlockOps
 from baton.serve.faults import EngineFault
 from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
+from baton.common.checkpoint import read_config
+from baton.serve.parallel.comm import ShmGroup, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
@@ -46,6 +51,9 @@ from baton.serve.sequence import Sequence
 from baton.serve.step_plan import StepPlan, TableReceiver, TableSender, plan_chunks, split_for_pipeline
 
 log = logging.getLogger(__name__)
+# A spawned worker starts a Python and imports torch before it can join (seconds on a busy host):
+# it gets this long even when distributed_timeout_s (a collective's bound) is set lower.
+SPAWN_S = 120.0
 
 
 class WorkerLost(EngineFault):
@@ -85,6 +93,8 @@ class Topology:
     world: int
     tp: int
     pp: int
+    local_rank: int  # on this node: its device index
+    local_world: int  # ranks on this node: they share its memory
     tp_group: object = None
     cpu_group: object = None
     stats: dict = field(default_factory=dict)
@@ -109,7 +119,12 @@ def _connect(rendezvous: Rendezvous, world: int, timeout: timedelta) -> dist.Sto
 
 
 def _init_groups(
-    rank: int, world: int, par: ParallelConfig, device_type: str, rendezvous: Rendezvous | dist.Store
+    rank: int,
+    world: int,
+    par: ParallelConfig,
+    device_type: str,
+    rendezvous: Rendezvous | dist.Store,
+    local: tuple[int, int],
 ) -> Topology:
     backend = "nccl" if device_type == "cuda" else "gloo"
     timeout = timedelta(seconds=par.distributed_timeout_s)
@@ -117,7 +132,7 @@ def _init_groups(
         dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend, store=rendezvous, rank=rank, world_size=world, timeout=timeout)
-    topo = Topology(rank, world, par.tensor_parallel_size, par.pipeline_parallel_size)
+    topo = Topology(rank, world, par.tensor_parallel_size, par.pipeline_parallel_size, *local)
     for stage in range(topo.pp):  # every rank creates every group, in the same order
         ranks = list(range(stage * topo.tp, (stage + 1) * topo.tp))
         group = dist.new_group(ranks, timeout=timeout) if topo.tp > 1 else None
@@ -133,21 +148,20 @@ def _broadcast(obj, topo: Topology):
     return box[0]
 
 
-def _device(device_type: str) -> torch.device:
+def _device(device_type: str, local_rank: int) -> torch.device:
     if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(device_type)
 
 
 def _build(setup: Setup, topo: Topology) -> ModelRunner:
     """Load this rank's shard, agree on pool sizes with the other ranks, build its runner."""
     torch.set_num_threads(setup.threads)
-    device = _device(setup.device_type)
+    device = _device(setup.device_type, topo.local_rank)
     dtype = getattr(torch, setup.dtype) if setup.dtype else None
     shard = Shard(topo.shard.tp_rank, topo.tp, topo.shard.pp_rank, topo.pp, setup.parallel.moe_parallel)
-    model = load_shard(setup.model_dir, shard, device, dtype, topo.tp_group)
+    model = load_shard(setup.model_dir, shard, device, dtype, _tp_comm(setup, topo, device))
     cfg = model.config
     layers = shard.layers(cfg.num_hidden_layers)
     kv_heads = model.model.layers[layers[0]].self_attn.num_kv_heads
@@ -164,7 +178,7 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
             kv_cache_fraction=kv.kv_cache_fraction,
             gpu_memory_utilization=kv.gpu_memory_utilization,
             reserve=reserve,
-            ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", topo.world)),
+            ranks_on_host=topo.local_world,
         )
         blocks = budget // block_bytes
     mine = (blocks, kv.swap_space_bytes // block_bytes, weight_bytes(model), block_bytes)
@@ -177,12 +191,29 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
     return ModelRunner(model, num_blocks, kv.block_size, num_host, kv.kv_cache_dtype, layers=layers)
 
 
+def _tp_comm(setup: Setup, topo: Topology, device: torch.device):
+    """The tensor-parallel group the layers use: shared memory when every rank of it is on this
+    host's CPU (serve/parallel/comm.py), else the process group itself."""
+    if topo.tp == 1 or not setup.parallel.shared_memory or not shared_memory_usable(device):
+        return topo.tp_group
+    hosts: list = [None] * topo.world
+    dist.all_gather_object(hosts, socket.gethostname(), group=topo.cpu_group)
+    stage = topo.shard.pp_rank
+    if len({hosts[r] for r in range(stage * topo.tp, (stage + 1) * topo.tp)}) > 1:
+        return topo.tp_group
+    cfg = read_config(setup.model_dir)
+    elem = 4  # fp32 activations at most
+    capacity = max(setup.kv.max_num_batched_tokens * cfg.hidden_size, 2**20) * elem
+    return ShmGroup(
+        topo.tp_group, topo.shard.tp_rank, topo.tp, capacity, stage * topo.tp, setup.parallel.distributed_timeout_s
+    )
+
+
 @torch.inference_mode()
-def run_step(
-    runner: ModelRunner, plans: list[StepPlan], topo: Topology
-) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """This rank's part of one step, micro-batch after micro-batch; on the driver, each micro-batch's
-    (logits, hidden) of the sampled rows."""
+def _stage(runner: ModelRunner, plans: list[StepPlan], topo: Topology) -> tuple[list, list]:
+    """This rank's layers over every micro-batch, in order: from the embedding or the previous
+    stage, to the next stage or the head. Returns (the driver's (logits, hidden) per micro-batch
+    when it is also the last stage, the sends still in flight)."""
     shard, cfg = topo.shard, runner.model.config
     tp, pp_rank = shard.tp_rank, shard.pp_rank
     pending, results = [], []
@@ -202,25 +233,60 @@ def run_step(
             for t in (logits, hidden) if plan.return_hidden else (logits,):
                 t = t.contiguous()
                 pending.append((dist.isend(t, dst=0), t))
-    if topo.rank == 0 and not shard.last_stage:
-        for plan in plans:
-            rows = len(plan.sample_rows)
-            logits = torch.empty(rows, cfg.vocab_size, dtype=runner.dtype, device=runner.device)
-            hidden = torch.empty(rows, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
-            if rows:
-                dist.recv(logits, src=topo.last_rank)
-                if plan.return_hidden:
-                    dist.recv(hidden, src=topo.last_rank)
-            results.append((logits, hidden if plan.return_hidden else None))
+    return results, pending
+
+
+@torch.inference_mode()
+def _from_last_stage(runner: ModelRunner, plans: list[StepPlan], topo: Topology) -> list:
+    """The driver (stage 0) receives each micro-batch's sampled rows from the last stage."""
+    cfg, results = runner.model.config, []
+    for plan in plans:
+        rows = len(plan.sample_rows)
+        logits = torch.empty(rows, cfg.vocab_size, dtype=runner.dtype, device=runner.device)
+        hidden = torch.empty(rows, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
+        if rows:
+            dist.recv(logits, src=topo.last_rank)
+            if plan.return_hidden:
+                dist.recv(hidden, src=topo.last_rank)
+        results.append((logits, hidden if plan.return_hidden else None))
+    return results
+
+
+def run_step(
+    runner: ModelRunner, plans: list[StepPlan], topo: Topology
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """This rank's part of one step; on the driver, each micro-batch's (logits, hidden) of the
+    sampled rows."""
+    results, pending = _stage(runner, plans, topo)
+    if topo.rank == 0 and not topo.shard.last_stage:
+        results = _from_last_stage(runner, plans, topo)
     for work, _ in pending:
         work.wait()
     return results
 
 
+def _post(cmd: tuple, topo: Topology) -> list:
+    """Hand `cmd` to every worker, point to point, without waiting for them to take it: a
+    collective (broadcast) would wait for the busiest rank, and a pipelined driver must go on
+    feeding stage 0 while the last stage still works. Returns the sends (wait on them later)."""
+    data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
+    header = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return [(dist.isend(t, dst=r, group=topo.cpu_group), t) for r in range(1, topo.world) for t in (header, payload)]
+
+
+def _receive(topo: Topology) -> tuple:
+    header = torch.empty(1, dtype=torch.int64)
+    dist.recv(header, src=0, group=topo.cpu_group)
+    payload = torch.empty(int(header), dtype=torch.uint8)
+    dist.recv(payload, src=0, group=topo.cpu_group)
+    return pickle.loads(payload.numpy().tobytes())
+
+
 def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
     tables = TableReceiver()
     while True:
-        cmd = _broadcast(None, topo)
+        cmd = _receive(topo)
         kind = cmd[0]
         if kind == "step":
             run_step(runner, [tables.decode(w, runner.block_size) for w in cmd[1]], topo)
@@ -228,23 +294,46 @@ def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
             runner.apply_block_ops(cmd[1])
         elif kind == "move":
             runner.move_slots(cmd[1], cmd[2])
+        elif kind == "ping":
+            _pong(topo)
         elif kind == "stop":
             return
 
 
-def worker_main(rank: int, world: int, rendezvous: Rendezvous, par: ParallelConfig, device_type: str) -> None:
+def _pong(topo: Topology) -> None:
+    """The heartbeat's answer: a barrier, so the driver waits for every rank (a stopped or hung one
+    times it out) instead of only handing its ping to the socket."""
+    dist.barrier(group=topo.cpu_group)
+
+
+def worker_main(
+    rank: int,
+    world: int,
+    rendezvous: Rendezvous,
+    par: ParallelConfig,
+    device_type: str,
+    local: tuple[int, int] | None = None,
+) -> None:
     """A worker rank: join the group, build the shard the driver describes, run its commands. A
-    failure is written to the driver's store (so its error names the cause) and ends the process."""
+    failure is written to the driver's store (so its error names the cause) and ends the process.
+    `local` is (local rank, ranks on this node); spawned workers share the driver's node.
+
+    SIGINT and SIGTERM are ignored: Ctrl-C reaches the whole process group and scancel/torchrun
+    signal every task, and a worker that died first would fail the requests the driver is
+    draining. The driver's ("stop",) ends it; so does its group breaking (the driver died) or
+    going silent for distributed_timeout_s. A launcher's SIGKILL after its grace period still works."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     store = None
     try:
         store = _connect(rendezvous, world, timedelta(seconds=par.distributed_timeout_s))
         if store is not None:
             store.set(f"baton/joined/{rank}", "1")
-        topo = _init_groups(rank, world, par, device_type, store if store is not None else rendezvous)
+        topo = _init_groups(rank, world, par, device_type, store or rendezvous, local or (rank, world))
         setup = _broadcast(None, topo)
         runner = _build(setup, topo)
-        log.info("rank %d ready: %s, layers %s", rank, topo.shard, list(runner.layer_ids))
+        log.info("rank %d ready (pid %d): %s, layers %s", rank, os.getpid(), topo.shard, list(runner.layer_ids))
         _serve_commands(runner, topo)
         log.info("rank %d stopping", rank)
     except Exception as e:
@@ -258,15 +347,38 @@ def worker_main(rank: int, world: int, rendezvous: Rendezvous, par: ParallelConf
     dist.destroy_process_group()
 
 
-class DistributedRunner:
-    """The driver's model runner: ModelRunner's interface, run on every rank."""
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
-    def __init__(self, model_dir: str | Path, setup: Setup, par: ParallelConfig, init_method: str | None = None):
+
+@dataclass
+class InFlight:
+    """A submitted step: what collect() needs to finish it."""
+
+    command: int
+    plans: list[StepPlan]
+    groups: list[tuple[Sequence, int]]
+    results: list  # the driver's own results (when it is also the last stage)
+    pending: list  # its sends still in flight
+    return_hidden: bool
+
+
+class DistributedRunner:
+    """The driver's model runner: ModelRunner's interface, run on every rank.
+
+    Without `init_method` the workers are spawned here, on this node; with one (a launched job,
+    serve/parallel/__init__.py) they are the launcher's other ranks, `local_world` of them on this node."""
+
+    def __init__(self, setup: Setup, par: ParallelConfig, init_method: str | None = None, local_world: int = 0):
         self.parallel, world = par, par.world_size
         self.procs: list[mp.process.BaseProcess] = []
         self.store: dist.Store | None = None
         timeout = timedelta(seconds=par.distributed_timeout_s)
         if init_method is None:  # local: spawn the workers on this host, rendezvous at our own store
+            local_world = world
             # port 0: the OS picks a free port as the store binds it (no race with other jobs)
             self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
             ctx = mp.get_context("spawn")
@@ -281,13 +393,17 @@ class DistributedRunner:
                 self.procs.append(proc)
         self._lock = threading.Lock()
         self.tables = TableSender()  # the block tables the workers hold, sent as deltas
+        self._posted: deque[tuple[int, list]] = deque()  # commands posted, not yet known taken
+        self._posted_n = 0
+        self.in_flight = 0  # steps submitted, not collected
+        self.max_in_flight = par.pipeline_parallel_size  # the engine pipelines steps when > 1
         self.failure: str | None = None
         self.control_s, self.steps = 0.0, 0  # the control plane (command broadcasts), measured
         t0 = time.monotonic()
         try:
             if self.store is not None:
-                self._wait_for_workers(world, par.distributed_timeout_s)
-            self.topo = _init_groups(0, world, par, setup.device_type, self.store or init_method)
+                self._wait_for_workers(world, max(par.distributed_timeout_s, SPAWN_S))
+            self.topo = _init_groups(0, world, par, setup.device_type, self.store or init_method, (0, local_world))
             _broadcast(setup, self.topo)
             self.local = _build(setup, self.topo)
         except Exception as e:
@@ -297,12 +413,13 @@ class DistributedRunner:
                 raise RuntimeError(f"distributed start-up failed: {why}") from e
             raise
         log.info(
-            "%d ranks ready in %.1f s (tensor %d x pipeline %d); weights per rank %s MiB",
+            "%d ranks ready in %.1f s (tensor %d x pipeline %d); weights per rank %s MiB; %s",
             world,
             time.monotonic() - t0,
             par.tensor_parallel_size,
             par.pipeline_parallel_size,
             [round(b / 2**20, 1) for b in self.topo.stats["weight_bytes"]],
+            f"spawned worker pids {[p.pid for p in self.procs]}" if self.procs else "workers started by the launcher",
         )
         self.model_config: ModelConfig = self.local.model.config
         self.device, self.dtype, self.block_size = self.local.device, self.local.dtype, self.local.block_size
@@ -323,7 +440,7 @@ class DistributedRunner:
                     + (self._worker_errors() or "see its log above")
                 )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the workers did not join within distributed_timeout_s={timeout_s}")
+                raise RuntimeError(f"the spawned workers did not join within {timeout_s:.0f} s")
             time.sleep(0.05)
 
     def _worker_errors(self) -> str:
@@ -341,22 +458,35 @@ class DistributedRunner:
         return "; ".join(found)
 
     # ------------------------------------------------------------------------------ commands
-    def _command(self, cmd: tuple) -> None:
+    def _command(self, cmd: tuple) -> int:
+        """Post `cmd` to every worker; returns its number (settle(n) waits until they took it)."""
         if self.failure is not None:
             raise WorkerLost(self.failure)
         t0 = time.perf_counter()
         try:
-            _broadcast(cmd, self.topo)
+            works = _post(cmd, self.topo)
         except Exception as e:
             self._lost(f"a worker rank stopped answering ({e})")
+        self._posted_n += 1
+        self._posted.append((self._posted_n, works))
         self.control_s += time.perf_counter() - t0
         self._last = time.monotonic()
+        return self._posted_n
+
+    def _settle(self, upto: int | None = None) -> None:
+        """Wait for the posted commands up to number `upto` (all by default) to be taken."""
+        try:
+            while self._posted and (upto is None or self._posted[0][0] <= upto):
+                for work, _ in self._posted.popleft()[1]:
+                    work.wait()
+        except Exception as e:
+            self._lost(f"a worker rank stopped answering ({e})")
 
     def _lost(self, reason: str):
         if self.failure is None:
-            why = self._worker_errors()
-            self.failure = f"{reason}; {why}" if why else reason
-            log.error("distributed serving is down: %s", reason)
+            why = "; ".join(filter(None, (self._dead_workers(), reason, self._worker_errors())))
+            self.failure = why
+            log.error("distributed serving is down: %s", self.failure)
         self._kill()
         raise WorkerLost(self.failure)
 
@@ -377,6 +507,52 @@ class DistributedRunner:
             self._command(("move", src, dst))
             self.local.move_slots(src, dst)
 
+    def submit(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        positions_in_cache: bool = False,
+        window_in_cache: bool = True,
+        return_hidden: bool = False,
+        micro_batches: int = 1,
+    ) -> InFlight:
+        """Start a step: post it to the workers and run the driver's own stage; collect() finishes
+        it. With P stages the engine keeps up to P steps submitted (max_in_flight), so the stages
+        overlap across steps; a step run alone (execute) is cut into P micro-batches instead,
+        which overlap within it."""
+        plans, wires, groups = [], [], []
+        flags = (positions_in_cache, window_in_cache, return_hidden)
+        for part in split_for_pipeline(scheduled, micro_batches):
+            chunks, part_groups = plan_chunks(part)
+            plans.append(StepPlan.from_chunks(chunks, self.block_size, *flags))
+            wires.append(self.tables.encode(chunks, *flags))
+            groups += part_groups
+        with self._lock:
+            number = self._command(("step", wires))
+            try:
+                results, pending = _stage(self.local, plans, self.topo)
+            except Exception as e:
+                self._lost(f"the sharded forward failed ({e!r})")
+            self.in_flight += 1
+        return InFlight(number, plans, groups, results, pending, return_hidden)
+
+    def collect(self, step: InFlight) -> ExecuteResult:
+        """The sampled rows' logits (and hidden states) of a submitted step, oldest first."""
+        with self._lock:
+            try:
+                results = step.results
+                if not self.topo.shard.last_stage:
+                    results = _from_last_stage(self.local, step.plans, self.topo)
+                for work, _ in step.pending:
+                    work.wait()
+            except Exception as e:
+                self._lost(f"the sharded forward failed ({e!r})")
+            self._settle(step.command)  # every rank has taken it: they all took part in the step
+            self.in_flight -= 1
+            self.steps += 1
+        logits = torch.cat([lg for lg, _ in results])
+        hidden = torch.cat([h for _, h in results]) if step.return_hidden else None
+        return ExecuteResult(logits, step.groups, hidden)
+
     def execute(
         self,
         scheduled: list[tuple[Sequence, int]],
@@ -384,31 +560,25 @@ class DistributedRunner:
         window_in_cache: bool = True,
         return_hidden: bool = False,
     ) -> ExecuteResult:
-        plans, wires, groups = [], [], []
-        for part in split_for_pipeline(scheduled, self.parallel.pipeline_parallel_size):
-            chunks, part_groups = plan_chunks(part)
-            flags = (positions_in_cache, window_in_cache, return_hidden)
-            plans.append(StepPlan.from_chunks(chunks, self.block_size, *flags))
-            wires.append(self.tables.encode(chunks, *flags))
-            groups += part_groups
-        with self._lock:
-            self._command(("step", wires))
-            try:
-                results = run_step(self.local, plans, self.topo)
-            except Exception as e:
-                self._lost(f"the sharded forward failed ({e!r})")
-            self.steps += 1
-        logits = torch.cat([lg for lg, _ in results])
-        hidden = torch.cat([h for _, h in results]) if return_hidden else None
-        return ExecuteResult(logits, groups, hidden)
+        p = self.parallel.pipeline_parallel_size
+        return self.collect(self.submit(scheduled, positions_in_cache, window_in_cache, return_hidden, p))
 
     # ------------------------------------------------------------------------------ health
     def check_health(self) -> None:
         if self.failure is not None:
             raise WorkerLost(self.failure)
-        dead = [p.name for p in self.procs if not p.is_alive()]
-        if dead:
-            self._lost(f"worker process {', '.join(dead)} exited")
+        if any(not p.is_alive() for p in self.procs):
+            self._lost("")
+
+    def _dead_workers(self) -> str:
+        """Which spawned workers have exited, and how (a signal's name, or the exit code)."""
+        dead = []
+        for p in self.procs:
+            if not p.is_alive():
+                code = p.exitcode or 0
+                how = f"killed by {_signal_name(-code)}" if code < 0 else f"exit code {code}"
+                dead.append(f"worker {p.name} (pid {p.pid}) exited ({how})")
+        return ", ".join(dead)
 
     def _beat(self) -> None:
         while self.failure is None and not getattr(self, "_stopped", False):
@@ -418,9 +588,18 @@ class DistributedRunner:
             if not self._lock.acquire(blocking=False):
                 continue
             try:
-                if self.failure is None and not getattr(self, "_stopped", False):
+                if self.failure is None and not getattr(self, "_stopped", False) and not self.in_flight:
                     self.check_health()
                     self._command(("ping",))
+                    try:
+                        _pong(self.topo)
+                        self._settle()
+                    except WorkerLost:
+                        raise
+                    except Exception as e:
+                        self._lost(
+                            f"a worker rank did not answer the heartbeat within {self.parallel.distributed_timeout_s} s ({e})"
+                        )
             except WorkerLost:
                 pass
             finally:
@@ -434,7 +613,8 @@ class DistributedRunner:
         with self._lock:
             if self.failure is None:
                 try:
-                    _broadcast(("stop",), self.topo)
+                    for work, _ in _post(("stop",), self.topo):
+                        work.wait()
                 except Exception:
                     pass
         deadline = time.monotonic() + timeout

@@ -72,6 +72,15 @@ def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
 
 
+def _running(pid: int) -> bool:
+    """Alive, and not a zombie (a killed worker stays one until its parent reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 class ShmGroup:
     """A tensor-parallel group whose ranks share one host: collectives through /dev/shm. Tensors
     larger than the buffer go through the process group (every rank decides the same way: the
@@ -87,6 +96,8 @@ class ShmGroup:
         self.seq = 0
         name = [f"/dev/shm/baton-tp-{uuid.uuid4().hex}" if rank == 0 else None]
         dist.broadcast_object_list(name, src=leader_global_rank, group=group)
+        self.pids: list = [None] * size  # one host: a waiter can see a peer die (no socket breaks here)
+        dist.all_gather_object(self.pids, os.getpid(), group=group)
         flag_bytes = 64 * size  # one cache line per flag
         total = flag_bytes + 2 * size * self.capacity
         mem = torch.from_file(name[0], shared=True, size=total, dtype=torch.uint8)
@@ -128,6 +139,8 @@ class ShmGroup:
                 raise RuntimeError(
                     f"tensor-parallel rank {j} did not reach collective {self.seq} in {self.timeout_s} s"
                 )
+            if not _running(self.pids[j]):
+                raise RuntimeError(f"tensor-parallel rank {j} (pid {self.pids[j]}) exited before collective {self.seq}")
             _futex_wait(addr, seen)
 
     def _slot(self, buf: torch.Tensor, i: int, like: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import signal
@@ -161,7 +162,8 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
     device = _device(setup.device_type, topo.local_rank)
     dtype = getattr(torch, setup.dtype) if setup.dtype else None
     shard = Shard(topo.shard.tp_rank, topo.tp, topo.shard.pp_rank, topo.pp, setup.parallel.moe_parallel)
-    model = load_shard(setup.model_dir, shard, device, dtype, _tp_comm(setup, topo, device))
+    comm = _tp_comm(setup, topo, device)
+    model = load_shard(setup.model_dir, shard, device, dtype, comm)
     cfg = model.config
     layers = shard.layers(cfg.num_hidden_layers)
     kv_heads = model.model.layers[layers[0]].self_attn.num_kv_heads
@@ -181,13 +183,18 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
             ranks_on_host=topo.local_world,
         )
         blocks = budget // block_bytes
-    mine = (blocks, kv.swap_space_bytes // block_bytes, weight_bytes(model), block_bytes)
+    via = "shm" if isinstance(comm, ShmGroup) else "gloo/nccl" if comm is not None else "-"
+    mine = (blocks, kv.swap_space_bytes // block_bytes, weight_bytes(model), block_bytes, via)
     every: list = [None] * topo.world
     dist.all_gather_object(every, mine, group=topo.cpu_group)
     num_blocks, num_host = min(e[0] for e in every), min(e[1] for e in every)
     if num_blocks < 1:
         raise ValueError(f"the KV budget holds no block on some rank (per-rank block: {block_bytes} bytes)")
-    topo.stats = {"weight_bytes": [e[2] for e in every], "kv_block_bytes": [e[3] for e in every]}
+    topo.stats = {
+        "weight_bytes": [e[2] for e in every],
+        "kv_block_bytes": [e[3] for e in every],
+        "tp_collectives": [e[4] for e in every],  # per rank: shared memory, the process group, or none (T=1)
+    }
     return ModelRunner(model, num_blocks, kv.block_size, num_host, kv.kv_cache_dtype, layers=layers)
 
 
@@ -413,12 +420,13 @@ class DistributedRunner:
                 raise RuntimeError(f"distributed start-up failed: {why}") from e
             raise
         log.info(
-            "%d ranks ready in %.1f s (tensor %d x pipeline %d); weights per rank %s MiB; %s",
+            "%d ranks ready in %.1f s (tensor %d x pipeline %d); weights per rank %s MiB; TP collectives %s; %s",
             world,
             time.monotonic() - t0,
             par.tensor_parallel_size,
             par.pipeline_parallel_size,
             [round(b / 2**20, 1) for b in self.topo.stats["weight_bytes"]],
+            self.topo.stats["tp_collectives"],
             f"spawned worker pids {[p.pid for p in self.procs]}" if self.procs else "workers started by the launcher",
         )
         self.model_config: ModelConfig = self.local.model.config
@@ -484,8 +492,9 @@ class DistributedRunner:
 
     def _lost(self, reason: str):
         if self.failure is None:
-            why = "; ".join(filter(None, (self._dead_workers(), reason, self._worker_errors())))
-            self.failure = why
+            if self.procs and all(p.is_alive() for p in self.procs):  # one may be dying still: say which
+                mp.connection.wait([p.sentinel for p in self.procs], timeout=0.5)
+            self.failure = "; ".join(filter(None, (self._dead_workers(), reason, self._worker_errors())))
             log.error("distributed serving is down: %s", self.failure)
         self._kill()
         raise WorkerLost(self.failure)

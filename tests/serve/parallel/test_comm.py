@@ -20,7 +20,7 @@ pytestmark = [
 
 
 RANK = """
-import json, sys, time
+import json, os, sys, time
 import torch, torch.distributed as dist
 from baton.serve.parallel import comm
 from baton.serve.parallel.comm import ShmGroup
@@ -42,8 +42,9 @@ for shape in [(1, 8), (48, 64), (128, 128), (3, 5, 7)]:  # (128, 128) fp32 is pa
         dist.all_gather(ref, t, group=group)
         assert all(torch.equal(a, b) for a, b in zip(comm.all_gather(t, shm, 2), ref))
 if rank == 1:
-    print(json.dumps({"rank": 1, "ok": True}))
-    sys.exit(0)  # leaves rank 0 alone in its next collective
+    print(json.dumps({"rank": 1, "ok": True}), flush=True)
+    time.sleep(6)  # alive but never arriving (one that exits is seen at once): rank 0 must time out
+    os._exit(0)
 t0 = time.monotonic()
 try:
     shm.all_reduce(torch.ones(4))

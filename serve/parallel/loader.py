@@ -28,7 +28,11 @@ def _skeleton(directory: Path, dtype: torch.dtype | None) -> tuple[CausalLM, Qua
     raw = quantization_config(directory)
     if raw is not None:
         qcfg = QuantConfig.from_hf(raw)
-        return quantized_skeleton(config, qcfg), qcfg
+        model = quantized_skeleton(config, qcfg)
+        if dtype is not None:  # only the float parts, as quantization/loader.py does: the rest are buffers
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+        return model, qcfg
     with torch.device("meta"):
         return CausalLM(config).to(dtype or config.dtype), None
 

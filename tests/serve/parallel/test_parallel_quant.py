@@ -14,18 +14,20 @@ from __future__ import annotations
 
 import psutil
 import pytest
+import torch
 
 from baton.serve.engine import EngineConfig
 from baton.serve.llm import LLM
 from baton.serve.parallel.shard import Shard
 from baton.serve.sampling_params import SamplingParams
 
-from .conftest import random_prompts
 from .test_parallel_memory import expected_rank_bytes
 from .test_shard_loading import DENSE, checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-PROMPTS = random_prompts(DENSE["vocab_size"], (5, 23, 11, 40)) + [[7, 8, 9, 10, 11] * 6]
+_G = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(0, DENSE["vocab_size"], (n,), generator=_G).tolist() for n in (5, 23, 11, 40)]
+PROMPTS.append([7, 8, 9, 10, 11] * 6)
 CONFIG = EngineConfig(num_kv_blocks=256, block_size=8)
 BF16_LOGPROB = 0.03  # twice the largest T=2 vs T=1 log-probability difference measured for int8 on CPU
 

@@ -57,12 +57,16 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size {t} does not divide intermediate_size {cfg.intermediate_size}")
         if p > cfg.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {p} is more than the model's {cfg.num_hidden_layers} layers")
-        if group_size and t > 1:  # a row-parallel shard must hold whole quantization groups
-            for name, width in (("attention output", heads * cfg.head_dim), ("MLP", cfg.intermediate_size)):
+        if group_size and t > 1:  # a row-parallel shard must hold whole int4 quantization groups
+            widths = [("attention output", heads * cfg.head_dim)]
+            if not (experts and self.moe_parallel == "expert"):  # whole experts per rank: their MLPs are not split
+                widths.append(("MLP", cfg.intermediate_size))
+            for name, width in widths:
                 if (width // t) % group_size:
                     raise ValueError(
-                        f"the {name} input ({width}) split {t} ways is {width // t} columns, not a multiple of the "
-                        f"checkpoint's quantization group size {group_size}"
+                        f"the {name} input ({width}) split {t} ways is {width // t} columns, not whole int4 "
+                        f"quantization groups of {group_size}: use another tensor_parallel_size, or quantize "
+                        f"with a group size that divides {width // t}"
                     )
 
     def check_devices(self, device: str, nnodes: int = 1) -> None:

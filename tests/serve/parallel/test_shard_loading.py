@@ -187,3 +187,23 @@ def test_int4_split_across_a_group_is_refused_clearly(tmp_path_factory):
     d = checkpoint(tmp_path_factory, "int4-misaligned")
     with pytest.raises(ValueError, match=r"down_proj: its 96 int4 inputs split 2 ways are 48 columns, not whole"):
         load_shard(d, Shard(0, 2))
+
+
+def test_expert_parallel_int4_needs_no_split_of_the_expert_widths():
+    """Whole experts per rank: an intermediate size that T would cut mid-group is fine."""
+    from baton.common.config import ModelConfig
+    from baton.serve.parallel.config import ParallelConfig
+
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    ParallelConfig(tensor_parallel_size=2, moe_parallel="expert").check_model(cfg, group_size=32)
+    with pytest.raises(ValueError, match="MLP input"):
+        ParallelConfig(tensor_parallel_size=2, moe_parallel="tensor").check_model(cfg, group_size=32)

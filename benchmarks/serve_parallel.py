@@ -212,8 +212,8 @@ def plan_cost(reqs, pipeline_parts: int = 2, repeats: int = 200) -> dict:
 
 
 def code_state() -> dict:
-    """Which code was measured: where baton was imported from, and its commit and uncommitted
-    serving changes when that is a git checkout."""
+    """Which code was measured: where baton was imported from, its commit, and the uncommitted
+    serving changes when that is a git checkout (others may be editing it while a run goes on)."""
     import baton.serve
 
     root = Path(baton.serve.__file__).resolve().parents[1]
@@ -226,7 +226,10 @@ def code_state() -> dict:
         return run.stdout.strip() if run.returncode == 0 else ""
 
     dirty = git("status", "--porcelain", "--", "serve/parallel", "serve/step_plan.py", "serve/engine.py")
-    return {"baton": str(root), "commit": git("rev-parse", "--short", "HEAD"), "uncommitted": dirty.splitlines()}
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit and (root / "COMMIT").exists():  # a `git archive` snapshot that names its commit
+        commit = (root / "COMMIT").read_text().strip()
+    return {"baton": str(root), "commit": commit, "uncommitted": dirty.splitlines()}
 
 
 def median_row(runs: list[dict]) -> dict:

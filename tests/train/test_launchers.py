@@ -127,3 +127,32 @@ def test_serve_sbatch_without_auth_on_purpose_warns_loudly(tmp_path):
     proc = _serve_sbatch(tmp_path, [], ALLOW_NO_AUTH="1")
     assert proc.returncode == 0 and "serve --host 0.0.0.0 --model m" in proc.stdout
     assert "WARNING" in proc.stderr and "WITHOUT AUTHENTICATION" in proc.stderr
+
+
+def test_serve_sbatch_starts_one_task_per_rank_over_the_nodes(tmp_path):
+    loopback = ["--host", "127.0.0.1"]
+    proc = _serve_sbatch(tmp_path, [*loopback, "-tp", "2", "--pipeline-parallel-size=2"], SLURM_JOB_NUM_NODES="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "srun --nodes=2 --ntasks=4 --ntasks-per-node=2 --kill-on-bad-exit=1 " in proc.stdout, proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        "serve --host 0.0.0.0 --model m --host 127.0.0.1 -tp 2 --pipeline-parallel-size=2"
+    )
+    assert "4 rank(s) on 2 node(s)" in proc.stdout
+    one = _serve_sbatch(tmp_path, loopback)  # unsharded: one task, as before
+    assert one.returncode == 0 and "srun --nodes=1 --ntasks=1 --ntasks-per-node=1 " in one.stdout, one.stderr
+    for args, env, message in (
+        (
+            ["-tp", "2"],
+            {"SLURM_NTASKS": "1"},
+            "needs 2 tasks but the job has 1: submit with sbatch --nodes=1 --ntasks-per-node=2",
+        ),
+        (
+            ["-tp=4"],
+            {"SLURM_JOB_NUM_NODES": "3"},
+            "4 ranks (-tp 4 x -pp 1) do not spread evenly over the job's 3 nodes",
+        ),
+        (["-pp", "two"], {}, "-tp/-pp must be positive integers, got 'two'"),
+        (["--nodes", "2"], {}, "give the node count to sbatch, before the script: sbatch --nodes=N"),
+    ):
+        proc = _serve_sbatch(tmp_path, [*loopback, *args], **env)
+        assert proc.returncode == 2 and message in proc.stderr and "srun" not in proc.stdout, (args, proc.stderr)

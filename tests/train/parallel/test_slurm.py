@@ -112,14 +112,19 @@ def test_train_sbatch_runs_two_ranks_and_serve_sbatch_serves_it(cluster, recipe,
     losses = [float(x) for x in re.findall(r"step \d+: train loss ([0-9.]+)", text)]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, text[-3000:]
 
-    # serve.sbatch: the handoff the job wrote, served over gRPC on the allocated node.
+    # serve.sbatch: the handoff the job wrote, sharded over two srun tasks (-tp 2: rank 0 serves,
+    # rank 1 is its worker, joined through SLURM's variables), served over gRPC on the node.
     from baton.serve.client import BatonClient
+    from baton.serve.llm import LLM
+    from baton.serve.sampling_params import SamplingParams
 
     port, serve_log = free_port(), tmp_path / "serve.log"
     job = submit(
         cluster,
         [
             f"--output={serve_log}",
+            "--ntasks=2",
+            "--cpus-per-task=1",
             str(LAUNCHERS / "serve.sbatch"),
             "--model",
             str(out / "handoff"),
@@ -127,6 +132,10 @@ def test_train_sbatch_runs_two_ranks_and_serve_sbatch_serves_it(cluster, recipe,
             str(port),
             "--metrics-port",
             "-1",
+            "-tp",
+            "2",
+            "--num-kv-blocks",
+            "64",
         ],
         BATON_DIR=str(ROOT),
         SERVE_HOST="127.0.0.1",
@@ -143,10 +152,20 @@ def test_train_sbatch_runs_two_ranks_and_serve_sbatch_serves_it(cluster, recipe,
                 if time.monotonic() > deadline:
                     raise
             time.sleep(0.5)
+        prompt = [5, 6, 7, 8]
+        with BatonClient(f"127.0.0.1:{port}", timeout=60) as client:
+            served = list(client.complete(prompt, max_tokens=12, temperature=0).completions[0].token_ids)
+        with LLM(out / "handoff") as llm:  # the single-process reference
+            ref = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12))
+        assert served == ref[0].outputs[0].token_ids, (served, ref[0].outputs[0].token_ids)
+        assert "2 ranks ready" in serve_log.read_text() and "workers started by the launcher" in serve_log.read_text()
     finally:
-        subprocess.run(["scancel", "--signal=TERM", "--full", job], env=cluster, timeout=30)
-    assert wait_for(cluster, job, DONE, timeout=60) in DONE
-    assert "serving on localhost" in serve_log.read_text()
+        # SIGTERM to the step's tasks (not --full: srun itself would end the step by force): the
+        # driver drains and tells its worker to stop; the job completes.
+        subprocess.run(["scancel", "--signal=TERM", job], env=cluster, timeout=30)
+    assert wait_for(cluster, job, DONE, timeout=60) == "COMPLETED", serve_log.read_text()[-3000:]
+    text = serve_log.read_text()
+    assert "serving on localhost" in text and "2 rank(s) on 1 node(s)" in text and "rank 1 stopping" in text, text
 
 
 def dry_conf(tmp_path: Path) -> str:

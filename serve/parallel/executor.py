@@ -14,10 +14,15 @@ overlap within a step.
 
 Locally the workers are spawned here (multiprocessing, spawn); across nodes they are started by
 torchrun or srun running `baton serve` with the same arguments, and join the driver's rendezvous
-(env://). Failure: a worker that dies breaks the driver's next collective at once, one that hangs
-is cut off by the group timeout; the idle driver pings every heartbeat_s so a dead worker is noticed
-without traffic. Either way the runner raises WorkerLost (an EngineFault: the engine is dead, its
-requests fail, health turns NOT_SERVING) and every worker is stopped.
+(env://, from baton.common.launch). Failure: a worker that dies breaks the driver's next
+collective at once (a socket resets; in a shared-memory group the waiter sees its pid gone), one
+that hangs is cut off after distributed_timeout_s; while idle, the engine watches the spawned
+processes and the driver sends a heartbeat every heartbeat_s that every rank answers (a barrier),
+so a dead or stopped remote worker is noticed without traffic too. Either way the runner raises
+WorkerLost (an EngineFault: the engine is dead, its requests fail, health turns NOT_SERVING with
+the reason) and every spawned worker is killed; launched ones exit when the driver does, or after
+distributed_timeout_s without a command.
+Workers ignore SIGTERM/SIGINT: the driver drains first, then stops them.
 """
 
 from __future__ import annotations

@@ -36,15 +36,16 @@ TEXT = (
 )
 
 
-def make_hf_checkpoint(tmp_path, family: str, seed: int = 0):
+def make_hf_checkpoint(tmp_path, family: str, seed: int = 0, **overrides):
+    """`overrides`: config fields on top of BASE and the family's (layers, vocab, tied embeddings...).
+    Biases (Qwen2's q/k/v, attention_bias) are randomised: HF initialises them to zero."""
     cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(cls(**BASE, **extra)).float().eval()
-    if family == "qwen2":
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.1)
+    hf = transformers.AutoModelForCausalLM.from_config(cls(**{**BASE, **extra, **overrides})).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
     hf.save_pretrained(tmp_path / f"hf-{family}")
     return hf, import_hf(tmp_path / f"hf-{family}", tmp_path / f"baton-{family}")
 

@@ -595,9 +595,12 @@ class DistributedRunner:
         return ", ".join(dead)
 
     def _beat(self) -> None:
+        # An idle worker waits for its next command at most distributed_timeout_s, then gives up:
+        # the heartbeat must come well before that, whatever heartbeat_s says.
+        period = min(self.parallel.heartbeat_s, self.parallel.distributed_timeout_s / 4)
         while self.failure is None and not getattr(self, "_stopped", False):
-            time.sleep(self.parallel.heartbeat_s)
-            if time.monotonic() - self._last < self.parallel.heartbeat_s:
+            time.sleep(period)
+            if time.monotonic() - self._last < period:
                 continue
             if not self._lock.acquire(blocking=False):
                 continue

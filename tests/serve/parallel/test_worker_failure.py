@@ -124,9 +124,15 @@ def test_a_hung_worker_is_cut_off_by_the_distributed_timeout(llama_dir, tmp_path
     server = ServerProcess(
         tmp_path,
         *("--model", str(llama_dir), "-tp", "2", "--num-kv-blocks", "64", "--block-size", "8"),
-        *("--distributed-timeout-s", str(HANG_TIMEOUT_S)),
+        *("--distributed-timeout-s", str(HANG_TIMEOUT_S), "--heartbeat-s", "30"),
     )
     procs = workers(server)
+    # Idle for longer than the timeout: the heartbeat (sooner than the timeout, whatever
+    # --heartbeat-s says) keeps the waiting worker from giving up on the driver.
+    time.sleep(HANG_TIMEOUT_S + 1.5)
+    with BatonClient(server.target, timeout=30) as c:
+        assert c.health() == "SERVING", c.server_info().failure_reason
+        assert list(c.complete(PROMPT, max_tokens=8, temperature=0).completions[0].token_ids) == reference[:8]
     stream = Stream(server.target)
     stream.wait_for_tokens(10)
     t0 = time.monotonic()

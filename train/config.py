@@ -25,6 +25,9 @@ from baton.train.parallel.layout import ParallelConfig, check_layout, data_paral
 BACKENDS = ("torch", "deepspeed", "torch3d")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
+# precision -> the dtype the forward and backward compute in (and the handoff is written in); the
+# optimizer's master weights and the gradient reductions stay float32 in every mode.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass
@@ -37,6 +40,14 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class LossScaleConfig:
+    """precision fp16's dynamic loss scaler (torch.amp.GradScaler, or DeepSpeed's fp16 section)."""
+
+    initial_power: int = 16  # the scale starts at 2**initial_power (both libraries' default: 65536)
+    window: int = 1000  # doubled after this many steps without overflow (halved on every overflow)
 
 
 @dataclass
@@ -89,6 +100,8 @@ class TrainConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     backend: str = "torch"  # torch (single process, or DDP under torchrun) | deepspeed
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (dynamic loss scaling): compute dtype; fp32 master weights
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # precision fp16 only
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torch3d: the dp x pp x cp x tp layout
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -169,6 +182,7 @@ class TrainConfig:
                 f"tokenizer.path {self.tokenizer.path} has no tokenizer.json",
             )
         self._validate_model(need)
+        self._validate_precision(need)
         self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
         r = self.recompute
@@ -217,12 +231,44 @@ class TrainConfig:
         mc = self.model_config(vocab_size=model.get("vocab_size", 1024))  # raises on a bad model section
         need(
             mc.torch_dtype == "float32",
-            f"training keeps float32 weights (model.torch_dtype {mc.torch_dtype!r}): "
-            "fp16 is rejected on CPU and bf16 runs ~9x slower than fp32 here",
+            f"training keeps float32 weights (model.torch_dtype {mc.torch_dtype!r}): they are the optimizer's "
+            "master weights; to compute in bfloat16 or float16 set precision: bf16 or fp16 instead (the "
+            "handoff is then written in that dtype)",
         )
         need(
             self.data.seq_len <= mc.max_position_embeddings,
             f"data.seq_len {self.data.seq_len} exceeds the model's max_position_embeddings {mc.max_position_embeddings}",
+        )
+
+    def _validate_precision(self, need) -> None:
+        """What each backend can run; fp16 needs a loss scaler, which torch3d's DTensor shards lack."""
+        p = self.precision
+        need(p in PRECISIONS, f"precision must be one of {tuple(PRECISIONS)}, got {p!r}")
+        need(
+            not (p == "fp16" and self.backend == "torch3d"),
+            "precision fp16 needs a dynamic loss scaler, and backend torch3d has none for its DTensor/FSDP2 "
+            "shards (torchtitan neither): use precision: bf16 (no scaler needed), or fp16 with backend "
+            "torch or deepspeed",
+        )
+        need(
+            not (p == "fp16" and self.backend == "deepspeed" and self.deepspeed.stage == 0),
+            "precision fp16 at deepspeed.stage 0: DeepSpeed 0.19's engine.backward scales the loss only for "
+            "ZeRO optimizers, so FP16_UnfusedOptimizer (stage 0) unscales gradients that were never scaled "
+            "and every update comes out divided by the loss scale; use deepspeed.stage >= 1, backend torch, "
+            "or precision bf16",
+        )
+        ls = self.loss_scale
+        need(
+            p == "fp16" or ls == LossScaleConfig(),
+            f"the loss_scale section needs precision: fp16 (precision is {p!r}; bf16 and fp32 need no scaler)",
+        )
+        need(
+            isinstance(ls.initial_power, int) and 0 <= ls.initial_power <= 64,
+            f"loss_scale.initial_power must be an integer in 0..64, got {ls.initial_power!r}",
+        )
+        need(
+            isinstance(ls.window, int) and ls.window > 0,
+            f"loss_scale.window must be a positive integer, got {ls.window!r}",
         )
 
     def _validate_backend(self, need, dp: int | None) -> None:
@@ -301,6 +347,7 @@ _SECTIONS = {
     "data": DataConfig,
     "tokenizer": TokenizerConfig,
     "optim": OptimConfig,
+    "loss_scale": LossScaleConfig,
     "deepspeed": DeepSpeedConfig,
     "recompute": RecomputeConfig,
     "checkpoint": CheckpointConfig,

@@ -3,12 +3,14 @@
 `deepspeed.extra` is merged on top of what Baton derives, so it could quietly change what the rest of
 the recipe says, or what Baton's own code relies on: the ZeRO stage and offload devices (Baton's
 step skipping, checkpoint layout and NVMe state handling follow deepspeed.stage/offload_*), the
-batch arithmetic (DeepSpeed steps at its own accumulation boundary), the precision (Baton trains
-float32 weights), the optimizer and schedule (Baton hands DeepSpeed its own AdamW and sets the lr
-every step) and the checkpoint format (Baton reads and writes DeepSpeed's files itself). So the
+batch arithmetic (DeepSpeed steps at its own accumulation boundary), the precision (the recipe's
+`precision` picks DeepSpeed's bf16 or fp16 section, with float32 master weights and float32
+gradient reductions), the optimizer and schedule (Baton hands DeepSpeed its own AdamW and sets the
+lr every step) and the checkpoint format (Baton reads and writes DeepSpeed's files itself). So the
 *merged* config is checked: the same guards as for Baton's own keys run on the values DeepSpeed
 will really use, and a value that disagrees with the recipe is refused, naming the key. Keys that
-only tune DeepSpeed (bucket sizes, prefetching, overlap, logging) pass through untouched.
+only tune DeepSpeed (bucket sizes, prefetching, overlap, logging, the fp16 loss scaler's window and
+initial power) pass through untouched.
 
 Pure dict arithmetic, no DeepSpeed import: it runs when the recipe is read, before any process group.
 """
@@ -24,6 +26,9 @@ if TYPE_CHECKING:
 Need = Callable[[bool, str], None]
 EXTRA = "deepspeed.extra"
 PRECISION_SECTIONS = ("fp16", "bf16", "bfloat16", "torch_autocast")  # "bfloat16": DeepSpeed's old name for bf16
+# precision -> the section Baton enables: DeepSpeed's own mixed precision (the module in that dtype,
+# float32 master weights in its optimizer, dynamic loss scaling for fp16 with DeepSpeed's defaults).
+SECTION = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}
 LEGACY_OFFLOAD = ("cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory")  # old spellings of offload_*
 FIXED = {
     "zero_allow_untested_optimizer": True,  # Baton's AdamW is not on DeepSpeed's list
@@ -46,7 +51,19 @@ def ds_config(cfg: TrainConfig, world_size: int) -> dict[str, Any]:
         **FIXED,
         "steps_per_print": 2**31 - 1,
     }
+    if SECTION[cfg.precision]:
+        conf[SECTION[cfg.precision]] = {"enabled": True}
+        conf["communication_data_type"] = "fp32"  # gradient reductions (DeepSpeed's default: the compute dtype)
+    if cfg.precision == "fp16":
+        conf["fp16"].update(fp16_scaler(cfg))
     return merge(conf, d.extra)
+
+
+def fp16_scaler(cfg: TrainConfig) -> dict[str, Any]:
+    """The recipe's loss_scale section in DeepSpeed's words, so both backends scale alike: dynamic
+    (loss_scale 0), halved on every overflow (hysteresis 1; DeepSpeed's default 2 waits for a second)."""
+    ls = cfg.loss_scale
+    return {"loss_scale": 0, "initial_scale_power": ls.initial_power, "loss_scale_window": ls.window, "hysteresis": 1}
 
 
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -97,28 +114,37 @@ def check_ds_config(need: Need, cfg: TrainConfig, world_size: int) -> None:
         ("scheduler", "Baton sets the learning rate every step (warmup + cosine, optim.*)"),
     ):
         need(section not in extra, f"{EXTRA}.{section} is not allowed: {why}")
-    need(
-        "amp" not in extra, f"{EXTRA}.amp is not allowed: Baton trains float32 weights (and DeepSpeed removed Apex AMP)"
-    )
+    need("amp" not in extra, f"{EXTRA}.amp is not allowed: set precision instead (and DeepSpeed removed Apex AMP)")
+    enabled = SECTION[cfg.precision]
     for section in PRECISION_SECTIONS:
-        value = extra.get(section)
-        on = value.get("enabled", False) if isinstance(value, dict) else value is not None
+        value = conf.get(section)
+        need(value is None or isinstance(value, dict), f"{key(section)} must be a mapping, got {value!r}")
+        on = value.get("enabled", False) if isinstance(value, dict) else False
         need(
-            section not in extra or on is False,
-            f"{EXTRA}.{section}" + (".enabled" if isinstance(value, dict) else "") + f"={on!r} disagrees with "
-            "the recipe's dtype: Baton trains float32 weights (model.torch_dtype: float32), so DeepSpeed must "
-            "not cast them; drop it or set enabled: false",
+            on is (section == enabled),
+            f"{key(section)}.enabled={on!r} disagrees with "
+            f"the recipe's dtype (precision: {cfg.precision}, float32 master weights): set precision "
+            "(fp32 | bf16 | fp16) instead; Baton enables DeepSpeed's matching bf16/fp16 section itself",
         )
-    for name in ("communication_data_type",):
-        need(
-            conf.get(name) in (None, "fp32"),
-            f"{EXTRA}.{name}={conf.get(name)!r}: gradients are reduced in "
-            "float32 (Baton trains float32 weights); drop it or set fp32",
-        )
+    if cfg.precision == "fp16":
+        for name, value in fp16_scaler(cfg).items():
+            got = conf["fp16"].get(name)
+            need(
+                got == value,
+                f"{key('fp16', name)}={got!r} disagrees with the recipe's dynamic loss scaler ({name}={value!r}, "
+                "from loss_scale.initial_power / loss_scale.window); set the loss_scale section instead",
+            )
+    need(
+        conf.get("communication_data_type") in (None, "fp32"),
+        f"{EXTRA}.communication_data_type={conf.get('communication_data_type')!r}: gradients are reduced in "
+        "float32 (the master weights' dtype) whatever the precision; drop it or set fp32",
+    )
     types = conf.get("data_types")
     need(
-        not isinstance(types, dict) or types.get("grad_accum_dtype") in (None, "fp32"),
-        f"{EXTRA}.data_types.grad_accum_dtype must be fp32: Baton trains float32 weights",
+        not isinstance(types, dict) or types.get("grad_accum_dtype") in (None, cfg.precision),
+        f"{EXTRA}.data_types.grad_accum_dtype must be {cfg.precision} (the compute dtype, DeepSpeed's default) under "
+        f"precision {cfg.precision}: another one makes DeepSpeed switch optimizers (BF16_Optimizer at ZeRO-1) "
+        "or refuse (ZeRO-0), and Baton's checkpoint conversion follows the ZeRO optimizer",
     )
     for name, want in FIXED.items():
         need(

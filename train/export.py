@@ -4,10 +4,15 @@ foundation's checkpoint format, with the tokenizer, for the server and for trans
 Consolidation reads the files (baton.train.universal), not a live engine, so it runs on one
 process after training, or later with `baton export`. `write_handoff` is the one writer of
 trained weights into that format; everything that hands a model off goes through it.
+
+The handoff keeps the run's training dtype: a bf16 (fp16) run is written in bfloat16 (float16),
+rounded from its float32 master weights, and its config.json / baton.json say so, so the server
+loads it in that dtype. The training checkpoint keeps the float32 masters.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,6 +22,7 @@ import torch
 from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
 from baton.common.config import ModelConfig
 from baton.train.checkpointing import find_checkpoint, read_state
+from baton.train.config import PRECISIONS
 from baton.train.universal import read_any
 
 log = logging.getLogger(__name__)
@@ -42,8 +48,9 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     checkpoints folder, whose latest step is used) to `out_dir`, atomically."""
     ckpt = find_checkpoint(checkpoint)
     state = read_state(ckpt)
-    config = read_config(ckpt)
     layout = state["layout"]
+    precision = layout.get("precision", "fp32")  # checkpoints from before mixed precision: fp32
+    config = dataclasses.replace(read_config(ckpt), torch_dtype=PRECISIONS[precision])
     weights = read_any(ckpt, layout["backend"], with_optimizer=False).weights
     parallel = {"dp": layout["world_size"], "tp": 1, "pp": 1, "cp": 1}
     if (ckpt / "parallel_layout.json").is_file():  # backend torch3d records its dp x pp x cp x tp
@@ -57,10 +64,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
             "training": {
                 "backend": layout["backend"],
                 "zero_stage": layout["zero_stage"],
+                "precision": precision,
+                "master_weights_dtype": "float32",
                 "source_checkpoint": str(ckpt.resolve()),
             }
         },
     )
     out = write_handoff(out_dir, config, weights, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
-    log.info("exported %s (step %d) to %s", ckpt, state["step"], out)
+    log.info("exported %s (step %d, %s) to %s", ckpt, state["step"], config.torch_dtype, out)
     return out

@@ -34,6 +34,9 @@ from baton.train.schedule import lr_at
 log = logging.getLogger(__name__)
 
 
+MIN_LOSS_SCALE = 1.0  # fp16: overflows below this scale count as non-finite steps (the run is diverging)
+
+
 class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row; the last checkpoint on disk is from before them."""
 
@@ -130,14 +133,15 @@ class Trainer:
         self.backend = build_backend(cfg, model, attn, dist)
         if dist.is_main:
             log.info(
-                "model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, world size %d, "
-                "global batch %d = %d micro x %d accum x %d ranks",
+                "model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, %s precision "
+                "(float32 master weights), world size %d, global batch %d = %d micro x %d accum x %d ranks",
                 model_cfg.model_type,
                 model_cfg.num_parameters() / 1e6,
                 len(train_ds),
                 len(self.val_ds),
                 seq,
                 cfg.backend,
+                cfg.precision,
                 dist.world_size,
                 self.global_batch,
                 cfg.micro_batch_size,
@@ -207,6 +211,17 @@ class Trainer:
         if result.applied:
             state.nan_streak = 0
             return
+        if result.overflow and result.loss_scale >= MIN_LOSS_SCALE:
+            # fp16's loss scaler at work, not a diverging run: the scale is halved and the step retried
+            # on the next batch (the streak goes on where it was; DeepSpeed's min_loss_scale is 1 too).
+            state.skipped_steps += 1
+            if self.dist.is_main:
+                log.info(
+                    "step %d: fp16 gradients overflowed at loss scale %g: update skipped, scale halved",
+                    state.step,
+                    result.loss_scale,
+                )
+            return
         state.nan_streak, state.skipped_steps = state.nan_streak + 1, state.skipped_steps + 1
         if self.dist.is_main:
             log.warning(
@@ -237,6 +252,8 @@ class Trainer:
             "skipped": not result.applied,
             "elapsed_s": self.train_time,
         }
+        if result.loss_scale is not None:
+            record["loss_scale"] = result.loss_scale
         last = step == cfg.max_steps
         if (cfg.eval_interval and step % cfg.eval_interval == 0) or last:
             self.val_loss = record["val_loss"] = evaluate(self.backend, self.val_ds, cfg)

@@ -3,6 +3,11 @@
 `ddp` is plain PyTorch (one process, or DistributedDataParallel under torchrun); `deepspeed` is
 ZeRO stage 0-3 with CPU/NVMe offload; `torch3d` is dp x pp x cp x tp parallelism (baton.train.parallel).
 The training loop only sees the `Backend` protocol.
+
+Mixed precision (the recipe's `precision`) is each backend's own: torch.autocast over float32
+parameters for plain PyTorch / DDP (and torch3d without FSDP, as torchtitan does), FSDP2's
+MixedPrecisionPolicy, DeepSpeed's bf16/fp16 sections. In every backend the optimizer steps float32
+master weights and gradients are reduced in float32; fp16 adds a dynamic loss scaler.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import contextlib
 
 import torch
 
@@ -25,6 +32,8 @@ class StepResult:
     loss: float  # mean over the step's micro-batches on every rank
     grad_norm: float | None  # before clipping (None: the backend did not report one)
     applied: bool  # False: the update was skipped (non-finite loss or gradients)
+    loss_scale: float | None = None  # fp16: the dynamic loss scale this step's backward ran at
+    overflow: bool = False  # fp16: skipped because the scaled gradients overflowed; the scale was halved
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,27 @@ class Layout:
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    precision: str = "fp32"  # DeepSpeed's files hold the module in the compute dtype
+
+
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """The forward's mixed precision over float32 parameters: matmuls and attention in the compute
+    dtype, norms, softmax and the loss in float32 (torch.autocast's op lists); nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=COMPUTE_DTYPES[precision])
+
+
+def loss_scaler(device: torch.device, cfg: TrainConfig) -> torch.amp.GradScaler | None:
+    """fp16's dynamic loss scaler (None otherwise): starts at 2**initial_power, halves on every
+    step whose gradients overflow (the step is skipped), doubles after `window` clean steps."""
+    if cfg.precision != "fp16":
+        return None
+    ls = cfg.loss_scale
+    return torch.amp.GradScaler(device.type, init_scale=2.0**ls.initial_power, growth_interval=ls.window)
 
 
 class Backend(Protocol):

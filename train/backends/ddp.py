@@ -1,12 +1,16 @@
 """Plain PyTorch: one process, or DistributedDataParallel when launched with several ranks.
 
 Every rank holds the whole model and optimizer (16 bytes per parameter in fp32 with AdamW), so the
-checkpoint is simply the universal state, written by rank 0.
+checkpoint is simply the universal state, written by rank 0. bf16/fp16 run the forward under
+torch.autocast: the parameters (the optimizer's master weights) and their gradients stay float32,
+so DDP all-reduces float32 gradients. fp16 scales the loss (torch.amp.GradScaler): gradients are
+unscaled before clipping, and a step whose gradients overflowed is skipped and the scale halved.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -15,19 +19,23 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
+from baton.train.backends import Layout, StepResult, autocast, lm_loss, loss_scaler, param_groups, step_loss
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.universal import UniversalState, read_any, write_universal
+
+SCALER_FILE = "loss_scaler.json"  # fp16: GradScaler's state, beside the universal state
 
 
 class DDPBackend:
     def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
         self.module, self.attn, self.dist = model, attn, dist
         self.grad_clip = cfg.optim.grad_clip
-        self.layout = Layout("torch", dist.world_size)
+        self.precision = cfg.precision
+        self.layout = Layout("torch", dist.world_size, precision=cfg.precision)
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+        self.scaler = loss_scaler(self.device, cfg)
         model.to(self.device)
         if dist.world_size > 1:
             self.model = DistributedDataParallel(model, device_ids=[dist.local_rank] if cuda else None)
@@ -44,6 +52,10 @@ class DDPBackend:
             for i, mb in enumerate(micro_batches)
         ]
         loss = step_loss(self.dist, torch.stack(losses).sum(), len(micro_batches))
+        scale = None
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.unscale_(self.optimizer)  # the true gradients (inf/nan where the scaled ones overflowed)
         params = [p for p in self.module.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip if self.grad_clip > 0 else math.inf).item()
         applied = math.isfinite(loss) and math.isfinite(norm)
@@ -51,16 +63,21 @@ class DDPBackend:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update()  # halved after an overflow (found by unscale_), else counts towards doubling
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss, norm, applied)
+        overflow = scale is not None and not applied and math.isfinite(loss)
+        return StepResult(loss, norm, applied, scale, overflow)
 
     def _forward_backward(self, batch: torch.Tensor, last: bool, accum: int) -> torch.Tensor:
         """One micro-batch; DDP reduces the gradients across ranks on the last one only."""
         sync = last or not isinstance(self.model, DistributedDataParallel)
         batch = batch.to(self.device)
         with contextlib.nullcontext() if sync else self.model.no_sync():
-            loss = lm_loss(self.model(batch[:, :-1], attn=self.attn), batch)
-            (loss / accum).backward()
+            with autocast(self.device, self.precision):
+                loss = lm_loss(self.model(batch[:, :-1], attn=self.attn), batch)
+            scaled = loss / accum
+            (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
         return loss.detach()
 
     @torch.no_grad()
@@ -68,7 +85,8 @@ class DDPBackend:
         self.module.eval()
         batch = batch.to(self.device)
         try:
-            return lm_loss(self.module(batch[:, :-1], attn=self.attn), batch).item()
+            with autocast(self.device, self.precision):
+                return lm_loss(self.module(batch[:, :-1], attn=self.attn), batch).item()
         finally:
             self.module.train()
 
@@ -86,8 +104,14 @@ class DDPBackend:
     def save(self, directory: Path) -> None:
         if self.dist.is_main:
             write_universal(directory, self.universal_state())
+            if self.scaler is not None:
+                (directory / SCALER_FILE).write_text(json.dumps(self.scaler.state_dict()) + "\n")
 
     def load(self, directory: Path, saved: Layout) -> None:
+        """Any checkpoint's float32 weights and moments; fp16's loss scale too where the checkpoint
+        has one of this backend's (else the scaler starts afresh, as in a new run)."""
+        if self.scaler is not None and (directory / SCALER_FILE).is_file():
+            self.scaler.load_state_dict(json.loads((directory / SCALER_FILE).read_text()))
         state = read_any(directory, saved.backend)
         with torch.no_grad():
             for n, p in self.named.items():

@@ -7,6 +7,10 @@ What Baton adds around DeepSpeed, and why:
   default, and the op costs a one-time build of about a minute.
 - A non-finite step is never applied: ZeRO 1-3 skip it themselves (invalid gradient norm); at
   stage 0 DeepSpeed steps the bare optimizer, so Baton hands it one that skips.
+- bf16/fp16 are DeepSpeed's own sections (baton.train.deepspeed_config): the module runs in the
+  compute dtype, the ZeRO optimizer (at stage 0 DeepSpeed's FP16_UnfusedOptimizer) steps float32
+  master weights, gradients are reduced in float32. A resume through the universal form writes the
+  float32 weights into those masters, not through the rounded module.
 - Checkpoints are DeepSpeed's own sharded files. A checkpoint of another layout (world size,
   stage, offload or backend) is loaded through Baton's universal form, which DeepSpeed lacks for
   ZeRO-1/2. Under NVMe offload DeepSpeed's files lack the swapped state and its load_checkpoint
@@ -76,6 +80,16 @@ def check_environment(cfg: TrainConfig) -> None:
         if b is None or not b.is_compatible(verbose=False):
             hint = " (needs libaio: apt-get install libaio-dev)" if "async_io" in getattr(b, "NAME", "async_io") else ""
             raise ConfigError(f"DeepSpeed op {getattr(b, 'NAME', '?')} cannot be built on this machine{hint}")
+    if cfg.precision != "fp32":
+        from deepspeed.accelerator import get_accelerator
+
+        acc = get_accelerator()
+        supported = acc.is_bf16_supported() if cfg.precision == "bf16" else acc.is_fp16_supported()
+        if not supported:
+            raise ConfigError(
+                f"precision {cfg.precision}: DeepSpeed's {acc.device_name()} accelerator does not support it on "
+                "this machine; use precision: bf16, or fp32"
+            )
     d = cfg.deepspeed
     if d.nvme_path and "nvme" in (d.offload_optimizer, d.offload_param):
         Path(d.nvme_path).mkdir(parents=True, exist_ok=True)
@@ -115,7 +129,8 @@ class DeepSpeedBackend:
         d = cfg.deepspeed
         self.module, self.attn, self.dist, self.stage = model, attn, dist, d.stage
         self.nvme = d.offload_optimizer == "nvme"
-        self.layout = Layout("deepspeed", dist.world_size, d.stage, d.offload_optimizer, d.offload_param)
+        self.precision = cfg.precision
+        self.layout = Layout("deepspeed", dist.world_size, d.stage, d.offload_optimizer, d.offload_param, cfg.precision)
         prepare_ops(cfg)
         if not d.shm_comm:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # checked before building it
@@ -129,9 +144,18 @@ class DeepSpeedBackend:
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         else:
             optimizer = (_SkipNonFiniteAdamW if d.stage == 0 else torch.optim.AdamW)(groups, **kw)
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.precision != "fp32" else None
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, dist.world_size), dist_init_required=False
         )
+        if initial is not None:
+            # DeepSpeed copies its float32 masters from the module already cast to bf16/fp16, and at
+            # stage 0 FP16_UnfusedOptimizer steps the AdamW once on zero gradients to make its state
+            # (weight decay shrinks the masters, and Adam's step count runs one ahead): start from the
+            # exact float32 initial weights with no optimizer state, as the other backends do.
+            self._load_weights(UniversalState(initial, {}, {}, 0))
+            if self.stage == 0:
+                self.engine.optimizer.optimizer.state.clear()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         losses = []
@@ -145,12 +169,14 @@ class DeepSpeedBackend:
         loss = step_loss(self.dist, torch.stack(losses).sum(), len(micro_batches))
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
-        self.engine.step()  # the boundary: reduce, clip and update, or skip a non-finite step
+        scale = float(self.engine.optimizer.loss_scale) if self.precision == "fp16" else None
+        self.engine.step()  # the boundary: reduce, clip and update, or skip a non-finite step (fp16: an overflow)
         applied = self.engine.was_step_applied()
         if applied and not math.isfinite(loss):
             raise RuntimeError("DeepSpeed applied an update computed from a non-finite loss")
         norm = self.engine.get_global_grad_norm()
-        return StepResult(loss, None if norm is None else float(norm), applied)
+        overflow = scale is not None and not applied and math.isfinite(loss)
+        return StepResult(loss, None if norm is None else float(norm), applied, scale, overflow)
 
     @torch.no_grad()
     def eval_loss(self, batch: torch.Tensor) -> float:
@@ -236,8 +262,13 @@ class DeepSpeedBackend:
             )
             with ctx:
                 if self.stage < 3 or self.dist.is_main:
-                    p.data.copy_(state.weights[name])
-        if self.nvme:  # swapped fp32 partitions: written through DeepSpeed's swap-aware setter
+                    p.data.copy_(state.weights[name])  # rounded to the compute dtype, as DeepSpeed's own update does
+        if self.stage == 0 and self.precision != "fp32":  # FP16_UnfusedOptimizer: a float32 copy per parameter
+            masters = (m for g in self.engine.optimizer.fp32_groups for m in g)
+            for name, master in zip(self._in_group_order(), masters):
+                master.copy_(state.weights[name])
+        elif self.nvme or (self.stage > 0 and self.precision != "fp32"):
+            # The float32 masters are set from the float32 weights (swap-aware under NVMe), not from the module.
             from deepspeed.utils import safe_set_full_fp32_param
 
             for name, p in self._named().items():
@@ -245,15 +276,22 @@ class DeepSpeedBackend:
         elif self.stage > 0:
             self.engine.optimizer.refresh_fp32_params()  # the fp32 master copy follows the module
 
+    def _in_group_order(self) -> list[str]:
+        """Parameter names in the optimizer's group order (how DeepSpeed lists its master copies)."""
+        return [n for group in self.group_names for n in group]
+
     def _load_optimizer(self, state: UniversalState) -> None:
         from deepspeed.utils import safe_set_full_optimizer_state
 
         if state.step == 0:
             return
         if self.stage == 0:
-            opt = self.engine.optimizer
+            opt, named = self.engine.optimizer, self._named()
+            if self.precision != "fp32":  # AdamW inside FP16_UnfusedOptimizer steps the float32 copies
+                masters = (m for g in opt.fp32_groups for m in g)
+                opt, named = opt.optimizer, dict(zip(self._in_group_order(), masters))
             opt.state.clear()
-            for name, p in self._named().items():
+            for name, p in named.items():
                 opt.state[p] = {
                     "step": torch.tensor(float(state.step), dtype=torch.float32),
                     "exp_avg": state.exp_avg[name].to(p.device, copy=True),

@@ -39,8 +39,8 @@ class Torch3DBackend:
         accum = cfg.accum_steps(data_parallel_size(par, dist.world_size))  # the pipeline's micro-batches
         self.layout3d = check_layout(par, model.config, dist.world_size, accum, cfg.data.seq_len)
         self.module, self.dist, self.grad_clip = model, dist, cfg.optim.grad_clip
-        self.layout = Layout("torch3d", dist.world_size)
-        self.engine = Parallel3D(model, build_mesh(self.layout3d), accum, cfg.optim, attn=attn)
+        self.layout = Layout("torch3d", dist.world_size, precision=cfg.precision)
+        self.engine = Parallel3D(model, build_mesh(self.layout3d), accum, cfg.optim, attn=attn, precision=cfg.precision)
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         loss_sum = self.engine.forward_backward(micro_batches) * len(micro_batches)  # the replica's mean, summed

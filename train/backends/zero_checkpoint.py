@@ -5,7 +5,11 @@ tool covers ZeRO-3 but not ZeRO-1/2. Here every stage is read back into whole, n
 tensors (weights and both Adam moments), from which any layout can be loaded again.
 
 On-disk layout (DeepSpeed 0.19, the pinned range), one file per rank:
-- stage 0: one `mp_rank_00_model_states.pt` with the module and a plain torch optimizer state.
+- stage 0: one `mp_rank_00_model_states.pt` with the module and a plain torch optimizer state;
+  under bf16/fp16 the module is in that dtype and the optimizer entry is FP16_UnfusedOptimizer's,
+  with the float32 master copies (`fp32_groups`) and the AdamW state inside it.
+- stage 1-3 under bf16 name their optimizer files `bf16_zero_pp_rank_*`; the flat groups hold
+  float32 masters at every precision.
 - stage 1/2: each rank holds a contiguous slice of every parameter group flattened (params in
   group order, each followed by its alignment padding); `single_partition_of_fp32_groups[g]`
   and the base optimizer's state[g] are that slice.
@@ -45,7 +49,7 @@ def _rank_of(path: Path) -> int:
 def read_zero_checkpoint(directory: Path, with_optimizer: bool = True) -> UniversalState:
     """The universal state of a Baton DeepSpeed checkpoint directory (any stage, any world size)."""
     tag = directory / TAG
-    optim_files = sorted(tag.glob("zero_pp_rank_*_optim_states.pt"), key=_rank_of)
+    optim_files = sorted(tag.glob("*zero_pp_rank_*_optim_states.pt"), key=_rank_of)
     if not optim_files:
         return _read_stage0(tag, json.loads((directory / GROUPS_FILE).read_text()), with_optimizer)
     shards = [_load(f)["optimizer_state_dict"] for f in optim_files]
@@ -84,10 +88,15 @@ def _nvme_shard(path: Path) -> dict[str, Any]:
 def _read_stage0(tag: Path, group_names: list[list[str]], with_optimizer: bool) -> UniversalState:
     sd = _load(tag / "mp_rank_00_model_states.pt")
     names = [n for group in group_names for n in group]
-    weights = {n: sd["module"][n].float().clone() for n in names}
+    opt = sd["optimizer"]
+    if "fp32_groups" in opt:  # bf16/fp16: DeepSpeed's FP16_UnfusedOptimizer around the AdamW
+        masters = [t for group in opt["fp32_groups"] for t in group]
+        weights = {n: t.float().clone() for n, t in zip(names, masters, strict=True)}
+        opt = opt["optimizer_state_dict"]
+    else:
+        weights = {n: sd["module"][n].float().clone() for n in names}
     if not with_optimizer:
         return UniversalState(weights, {}, {}, 0)
-    opt = sd["optimizer"]
     index = [i for g in opt["param_groups"] for i in g["params"]]  # state keys, in group order
     moments = {key: {n: opt["state"][i][key].clone() for n, i in zip(names, index)} for key in MOMENTS}
     step = int(opt["state"][index[0]]["step"])

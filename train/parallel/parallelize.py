@@ -8,6 +8,11 @@ module plans, an attention backend and wrappers applied from outside.
 The step runs a data-parallel rank's micro-batches: through the pipeline schedule when pp > 1
 (the micro-batches are the pipeline's), else one after another with gradient sync on the last.
 Every rank of a model replica returns the same loss: the mean over its micro-batches and tokens.
+
+Mixed precision (bf16) is torchtitan's: under FSDP2 its MixedPrecisionPolicy (layers gathered and
+run in bf16, gradients reduce-scattered in float32); without FSDP (one replica, DDP, or TP/PP alone)
+torch.autocast around every forward. Either way the parameters the optimizer steps - DTensor shards
+or whole tensors - and its state are float32.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
-from baton.train.backends import param_groups
+from baton.train.backends import COMPUTE_DTYPES, autocast, param_groups
 from baton.train.config import OptimConfig, RecomputeConfig
 from baton.train.parallel.context_parallel import RingAttention, zigzag_indices, zigzag_shard
 from baton.train.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -55,9 +60,13 @@ class Parallel3D:
         optim: OptimConfig,
         attn: AttentionBackend | None = None,
         recompute: RecomputeConfig | None = None,
+        precision: str = "fp32",
     ):
         """`attn`: the attention backend the caller set up (e.g. by apply_recompute); or pass
-        `recompute` to have it applied here, after tensor parallelism."""
+        `recompute` to have it applied here, after tensor parallelism. `precision`: fp32 or bf16
+        (fp16 would need a loss scaler over DTensor shards: refused by the recipe check)."""
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"Parallel3D runs fp32 or bf16, not {precision!r}")
         lay = self.layout = mesh.layout
         self.mesh, self.microbatches, self.config = mesh, microbatches, model.config
         self.device = (
@@ -73,11 +82,18 @@ class Parallel3D:
         for chunk in self.chunks:
             chunk.attn = attn
         self.data_parallel = lay.dp * lay.cp > 1
+        fsdp = self.data_parallel and lay.dp_mode == "fsdp"
+        compute = COMPUTE_DTYPES[precision]
+        # FSDP2 casts the parameters itself; everything else runs under autocast.
+        self.autocast_precision = "fp32" if fsdp else precision
+        # What flows between pipeline stages: the compute dtype under FSDP2; under autocast the
+        # residual stream stays float32 (embedding and norms are float32, matmul outputs are added to it).
+        self.activation_dtype = compute if fsdp else torch.float32
         self.runners: list[torch.nn.Module] = list(self.chunks)  # what runs forward (the DDP wrappers)
         if self.data_parallel:
             self.runners = (
-                apply_fsdp(self.chunks, mesh.data, lay.pp > 1)
-                if lay.dp_mode == "fsdp"
+                apply_fsdp(self.chunks, mesh.data, lay.pp > 1, compute if compute != torch.float32 else None)
+                if fsdp
                 else apply_ddp(self.chunks, mesh.data)
             )
         self.optimizers = []
@@ -105,6 +121,9 @@ class Parallel3D:
 
     def _loss_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.layout.loss_parallel else contextlib.nullcontext()
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return autocast(self.device, self.autocast_precision)
 
     @staticmethod
     def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -144,7 +163,7 @@ class Parallel3D:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             args = (torch.cat(ids),) if 0 in self.stage_ids else ()
-            with self._loss_context():
+            with self._loss_context(), self._autocast():
                 self.schedule.step(*args, target=torch.cat(labels), losses=losses)
             mine = bool(losses)
             loss = torch.stack([_value(x) for x in losses]).mean() if mine else None
@@ -161,7 +180,8 @@ class Parallel3D:
                 else runner.no_sync()
             )
             with sync, self._loss_context():
-                loss = self._loss(runner(x), y)
+                with self._autocast():
+                    loss = self._loss(runner(x), y)
                 (loss / len(ids)).backward()
             total += _value(loss)
         return self._replica_mean(total / len(ids), True)
@@ -228,7 +248,7 @@ class Parallel3D:
             r.eval()
         try:
             ids, labels = self._inputs(batch)
-            with self._loss_context():
+            with self._loss_context(), self._autocast():
                 if self.schedule is None:
                     return self._replica_mean(_value(self._loss(self.runners[0](ids), labels)), True).item()
                 logits = self._pipeline_forward(ids)
@@ -252,7 +272,7 @@ class Parallel3D:
                     seq,
                     self.config.hidden_size,
                     device=self.device,
-                    dtype=next(self.chunks[0].parameters()).dtype,
+                    dtype=self.activation_dtype,
                 )
                 dist.recv(x, group=group, group_src=(s - 1) % lay.pp)
             x = self.runners[self.stage_ids.index(s)](ids if s == 0 else x)

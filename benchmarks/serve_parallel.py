@@ -12,7 +12,7 @@ Per layout: output tokens/s, TTFT and TPOT (mean/p50/p90), a steady decode step 
 the driver's control-plane time per step (DistributedRunner.control_s / steps: handing each step's
 command to the workers), per-rank weight bytes and per-rank KV bytes (block bytes x blocks; every
 layout gets the same number of KV blocks, so they schedule alike). Also the pickled size and
-(un)pickling time of the StepPlan for a batch of 64 decodes. `--profile` adds torch.profiler on the
+(un)pickling time of the control-plane message for a batch of 64 decodes. `--profile` adds torch.profiler on the
 driver over the batch-64 decode steps (T=1 vs T=2), by op category.
 
 Usage: python benchmarks/serve_parallel.py [--smoke] [--profile] [--out DIR]
@@ -43,7 +43,7 @@ from baton.serve.model_runner import kv_block_bytes
 from baton.serve.parallel.loader import weight_bytes
 from baton.serve.scheduler import SchedulerConfig
 from baton.serve.sequence import Sequence
-from baton.serve.step_plan import StepPlan, split_for_pipeline
+from baton.serve.step_plan import StepPlan, TableSender, plan_chunks
 
 from serve_engine import MODEL, RESULTS, pct, run_engine, workload  # the engine benchmark's (script dir is on sys.path)
 
@@ -185,9 +185,11 @@ def stats(xs: list[float]) -> dict:
     return {"mean": statistics.mean(xs), "p50": pct(xs, 0.5), "p90": pct(xs, 0.9)}
 
 
-def plan_cost(reqs, pipeline_parts: int = 2, repeats: int = 200) -> dict:
-    """The control-plane message for a batch of 64 decodes: pickled bytes and (un)pickling time (µs),
-    as one plan (T=2) and split into micro-batches (P=2)."""
+def plan_cost(reqs, repeats: int = 200) -> dict:
+    """The control-plane message for a batch of 64 decodes, as the driver pickles it for the workers:
+    bytes and (un)pickling time (µs). The whole StepPlan, and the wire step that travels instead
+    (chunks; each block table as a delta against the one the workers hold): the first time a
+    sequence is sent (its whole table) and in the steady state (the tables known)."""
     seqs = []
     for i, (prompt, out_len) in enumerate(reqs[:DECODE_BATCH]):
         s = Sequence(i, str(i), 0, list(prompt), SamplingParams(temperature=0, max_tokens=out_len))
@@ -195,13 +197,19 @@ def plan_cost(reqs, pipeline_parts: int = 2, repeats: int = 200) -> dict:
         s.num_computed_tokens = s.num_tokens - 1
         s.block_table = list(range(i * 64, i * 64 + -(-s.num_tokens // BLOCK_SIZE)))
         seqs.append((s, 1))
+    chunks, _ = plan_chunks(seqs)
+    sender, flags = TableSender(), (False, True, False)
+    messages = {
+        "step_plan": ("step", [StepPlan.build(seqs, BLOCK_SIZE)[0]]),
+        "wire_first": ("step", [sender.encode(chunks, *flags)]),
+        "wire_steady": ("step", [sender.encode(chunks, *flags)]),
+    }
     out = {"batch": len(seqs), "mean_context": statistics.mean(s.num_tokens for s, _ in seqs)}
-    for key, parts in (("one_plan", [seqs]), ("pipeline_micro_batches", split_for_pipeline(seqs, pipeline_parts))):
-        cmd = ("step", [StepPlan.build(p, BLOCK_SIZE)[0] for p in parts])
-        data = pickle.dumps(cmd)
+    for key, cmd in messages.items():
+        data = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         t = time.perf_counter()
         for _ in range(repeats):
-            pickle.dumps(cmd)
+            pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
         dumps = (time.perf_counter() - t) / repeats
         t = time.perf_counter()
         for _ in range(repeats):
@@ -322,11 +330,10 @@ def report(r: dict) -> None:
         )
         print(f"{'':<11}runs: {' '.join(f'{x:.0f}' for x in row['runs_out_tok_per_s'])} out tok/s")
     p = r["step_plan_64_decodes"]
-    print(
-        f"StepPlan, {p['batch']} decodes (mean context {p['mean_context']:.0f}): {p['one_plan']['bytes']} bytes pickled, "
-        f"{p['one_plan']['pickle_us']:.0f} us to pickle, {p['one_plan']['unpickle_us']:.0f} us to unpickle; "
-        f"as 2 micro-batches {p['pipeline_micro_batches']['bytes']} bytes"
-    )
+    print(f"control-plane message, {p['batch']} decodes (mean context {p['mean_context']:.0f}):")
+    for key in ("step_plan", "wire_first", "wire_steady"):
+        m = p[key]
+        print(f"  {key:<12}{m['bytes']:>7} bytes  pickle {m['pickle_us']:.0f} us  unpickle {m['unpickle_us']:.0f} us")
     for name, prof in r["profile"].items():
         if prof:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in prof["ms_per_step"].items())

@@ -47,7 +47,8 @@ def test_smoke_reports_every_layout(tmp_path):
     assert "control_ms_per_step" not in one
 
     plan = r["step_plan_64_decodes"]
-    assert plan["batch"] == 64 and plan["one_plan"]["bytes"] > 64 * 4
+    assert plan["batch"] == 64 and plan["step_plan"]["bytes"] > 64 * 4
+    assert plan["wire_steady"]["bytes"] < plan["wire_first"]["bytes"]  # known block tables are not resent
     assert set(r["profile"]) == set(rows)
     for prof in r["profile"].values():
         assert prof["ms_per_step"]["matmul"] > 0

@@ -166,7 +166,8 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
     torch.set_num_threads(setup.threads)
     device = _device(setup.device_type, topo.local_rank)
     dtype = getattr(torch, setup.dtype) if setup.dtype else None
-    shard = Shard(topo.shard.tp_rank, topo.tp, topo.shard.pp_rank, topo.pp, setup.parallel.moe_parallel)
+    moe = setup.parallel.moe_mode(read_config(setup.model_dir))
+    shard = Shard(topo.shard.tp_rank, topo.tp, topo.shard.pp_rank, topo.pp, moe)
     comm = _tp_comm(setup, topo, device)
     model = load_shard(setup.model_dir, shard, device, dtype, comm)
     cfg = model.config

@@ -207,3 +207,16 @@ def test_expert_parallel_int4_needs_no_split_of_the_expert_widths():
     ParallelConfig(tensor_parallel_size=2, moe_parallel="expert").check_model(cfg, group_size=32)
     with pytest.raises(ValueError, match="MLP input"):
         ParallelConfig(tensor_parallel_size=2, moe_parallel="tensor").check_model(cfg, group_size=32)
+
+
+def test_auto_moe_split_is_expert_parallel_when_the_ranks_divide_the_experts():
+    from baton.common.config import ModelConfig
+    from baton.serve.parallel.config import ParallelConfig
+
+    moe = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+    assert ParallelConfig(tensor_parallel_size=2).moe_mode(ModelConfig(**moe, num_local_experts=4)) == "expert"
+    assert ParallelConfig(tensor_parallel_size=4).moe_mode(ModelConfig(**moe, num_local_experts=6)) == "tensor"
+    assert (
+        ParallelConfig(tensor_parallel_size=2, moe_parallel="tensor").moe_mode(ModelConfig(**moe, num_local_experts=4))
+        == "tensor"
+    )

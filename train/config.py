@@ -47,7 +47,9 @@ class LossScaleConfig:
     """precision fp16's dynamic loss scaler (torch.amp.GradScaler, or DeepSpeed's fp16 section)."""
 
     initial_power: int = 16  # the scale starts at 2**initial_power (both libraries' default: 65536)
-    window: int = 1000  # doubled after this many steps without overflow (halved on every overflow)
+    # Doubled after this many steps without overflow, halved on every overflow. (DeepSpeed counts the
+    # window from the step after an overflow: it doubles one clean step later than GradScaler.)
+    window: int = 1000
 
 
 @dataclass

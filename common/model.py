@@ -133,6 +133,11 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, cfg.intermediate_size) for _ in range(cfg.num_local_experts)
         )
 
+    def held_experts(self) -> range:
+        """The experts this module runs: all of them (expert parallelism, applied from outside,
+        narrows it to a rank's share and sums the shares)."""
+        return range(len(self.experts))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -147,8 +152,9 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
         slot_weights = weights.flatten()[order]
         start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
+        held = self.held_experts()
+        for e, (expert, n) in enumerate(zip(self.experts, counts)):
+            if n and e in held:
                 token_idx = order[start : start + n] // self.top_k
                 y = expert(x[token_idx]) * slot_weights[start : start + n, None]
                 out.index_add_(0, token_idx, y.to(x.dtype))

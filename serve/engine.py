@@ -32,7 +32,7 @@ from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
-from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
+from baton.serve.kv_budget import kv_budget_bytes
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
@@ -192,17 +192,16 @@ class LLMEngine:
             stop()
 
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
-        c = self.config
-        elem = torch.tensor([], dtype=self.model.config.dtype).element_size()
-        reserve = activation_reserve(
-            self.model.config, c.scheduler.max_num_batched_tokens, c.scheduler.max_num_seqs, elem
-        )
+        c, mcfg = self.config, self.model.config
         budget = kv_budget_bytes(
             device,
+            mcfg,
             kv_cache_bytes=c.kv_cache_bytes,
             kv_cache_fraction=c.kv_cache_fraction,
             gpu_memory_utilization=c.gpu_memory_utilization,
-            reserve=reserve,
+            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+            max_num_seqs=c.scheduler.max_num_seqs,
+            elem=torch.tensor([], dtype=mcfg.dtype).element_size(),
         )
         blocks = budget // block_bytes
         if blocks < 1:

@@ -27,17 +27,23 @@ def activation_reserve(cfg: ModelConfig, max_tokens: int, max_seqs: int, elem: i
 
 def kv_budget_bytes(
     device: torch.device,
+    cfg: ModelConfig,
     *,
     kv_cache_bytes: int | None,
     kv_cache_fraction: float,
     gpu_memory_utilization: float,
-    reserve: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    elem: int,
+    tp: int = 1,
     ranks_on_host: int = 1,
 ) -> int:
+    """The pool's bytes on `device` for a model of `cfg` in `elem`-byte activations, split `tp` ways."""
     if kv_cache_bytes is not None:
         return kv_cache_bytes
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
+        reserve = activation_reserve(cfg, max_num_batched_tokens, max_num_seqs, elem, tp)
         allowed = int(total * gpu_memory_utilization) - torch.cuda.memory_allocated(device) - reserve
         return max(0, min(allowed, free - reserve))
     return int(psutil.virtual_memory().available * kv_cache_fraction / ranks_on_host)

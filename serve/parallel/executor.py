@@ -46,7 +46,7 @@ import torch.distributed as dist
 from baton.common.config import ModelConfig
 from baton.serve.block_manager import BlockOps
 from baton.serve.faults import EngineFault
-from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
+from baton.serve.kv_budget import kv_budget_bytes
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.common.checkpoint import read_config
 from baton.serve.parallel.comm import ShmGroup, shared_memory_usable
@@ -179,13 +179,16 @@ def _build(setup: Setup, topo: Topology) -> ModelRunner:
     if kv.num_kv_blocks is not None:
         blocks = kv.num_kv_blocks
     else:
-        reserve = activation_reserve(cfg, kv.max_num_batched_tokens, kv.max_num_seqs, p.element_size(), topo.tp)
         budget = kv_budget_bytes(
             device,
+            cfg,
             kv_cache_bytes=kv.kv_cache_bytes,
             kv_cache_fraction=kv.kv_cache_fraction,
             gpu_memory_utilization=kv.gpu_memory_utilization,
-            reserve=reserve,
+            max_num_batched_tokens=kv.max_num_batched_tokens,
+            max_num_seqs=kv.max_num_seqs,
+            elem=p.element_size(),
+            tp=topo.tp,
             ranks_on_host=topo.local_world,
         )
         blocks = budget // block_bytes

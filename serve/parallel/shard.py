@@ -105,25 +105,8 @@ class ExpertParallelMoE(MoE):
 
     local_experts: range
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        flat = chosen.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()  # the one host sync
-        starts = [sum(counts[:e]) for e in range(len(counts))]
-        for e in self.local_experts:
-            if not counts[e]:
-                continue
-            pick = order[starts[e] : starts[e] + counts[e]]
-            token_idx = pick // self.top_k
-            y = self.experts[e](x[token_idx]) * weights.flatten()[pick, None]
-            out.index_add_(0, token_idx, y.to(x.dtype))
-        return out.reshape(shape)
+    def held_experts(self) -> range:
+        return self.local_experts
 
 
 def _local_linear(mod: nn.Module, in_features: int, out_features: int, bias: bool) -> nn.Module:

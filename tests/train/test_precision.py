@@ -39,6 +39,7 @@ BF16, FP32, FP16 = 2.0**-8, 2.0**-7, 2.0**-9
 DS, BF = ["backend=deepspeed"], ["precision=bf16"]
 T3D = [*BF, "backend=torch3d"]
 OVERFLOW = ["precision=fp16", "loss_scale.initial_power=26", "loss_scale.window=4"]  # 2^26: logit grads overflow
+CKPT = f"checkpoints/step_{CKPT_STEP:08d}"  # "{root}/RUN/" + CKPT: a run's step-10 checkpoint
 # name -> (processes, overrides): one launch per world size, every run of it in one process group.
 RUNS: dict[str, tuple[int, list[str]]] = {
     "ddp": (2, BF),
@@ -51,15 +52,18 @@ RUNS: dict[str, tuple[int, list[str]]] = {
     "fsdp": (2, [*T3D, "parallel.dp=2"]),
     "tp": (2, [*T3D, "parallel.tp=2"]),
     "pp": (2, [*T3D, "parallel.pp=2"]),
+    "ddp-fp16": (2, ["precision=fp16"]),
     "fp32": (1, []),
     "bf16": (1, BF),
     "fp16": (1, ["precision=fp16"]),
     "fp16-z2": (1, ["precision=fp16", *DS, "deepspeed.stage=2"]),
     "overflow": (1, OVERFLOW),
     "overflow-z2": (1, [*OVERFLOW, *DS, "deepspeed.stage=2"]),
+    # ... resumed at step 10, where its scale had fallen to 2^19: GradScaler's state comes back with it
+    "overflow-resumed": (1, [*OVERFLOW, f"checkpoint.resume={{root}}/overflow/{CKPT}"]),
     # The ZeRO-3 bf16 checkpoint (2 ranks) loaded at other layouts through the universal form: only loaded.
     **{
-        f"load-z3-into-{into}": (1, [*BF, *extra, "checkpoint.resume={z3}", f"max_steps={CKPT_STEP}"])
+        f"load-z3-into-{into}": (1, [*BF, *extra, f"checkpoint.resume={{root}}/z3/{CKPT}", f"max_steps={CKPT_STEP}"])
         for into, extra in (("z0", [*DS, "deepspeed.stage=0"]), ("z2", [*DS, "deepspeed.stage=2"]), ("torch", []))
     },
 }
@@ -72,9 +76,7 @@ def precision_runs(recipe, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("precision")
     for nproc in (2, 1):
         specs = [
-            f"{name}={','.join(o.replace('{z3}', str(root / 'z3' / 'checkpoints' / f'step_{CKPT_STEP:08d}')) for o in over)}"
-            for name, (n, over) in RUNS.items()
-            if n == nproc
+            f"{name}={','.join(over).replace('{root}', str(root))}" for name, (n, over) in RUNS.items() if n == nproc
         ]
         run(nproc, [str(recipe), str(root), *specs], root / f"world{nproc}.log", timeout=900, script=PRECISION_RUN)
     return root
@@ -131,7 +133,7 @@ def test_a_bf16_zero3_checkpoint_loads_its_float32_masters_at_other_layouts(prec
 def test_fp16_follows_fp32_and_its_loss_scaler_skips_overflows(precision_runs):
     root = precision_runs
     fp32 = losses(root / "fp32")
-    for name in ("fp16", "fp16-z2"):
+    for name in ("fp16", "ddp-fp16", "fp16-z2"):
         assert rel(losses(root / name), fp32) < FP16, name
         assert report(root, name)["masters"] == ["float32"] and report(root, name)["compute"] == ["float16"]
     # torch.amp.GradScaler, and DeepSpeed's scaler (which counts its window from the step after an
@@ -150,6 +152,10 @@ def test_fp16_follows_fp32_and_its_loss_scaler_skips_overflows(precision_runs):
         assert [r["loss_scale"] for r in records] == expected, name
         assert 2.0**26 > max(expected[1:]) and max(expected[-8:]) > min(expected), name  # fell, then grew back
         assert records[-1]["loss"] < records[0]["loss"] - 0.5, name  # it trains through the skips
+    uninterrupted = [json.loads(line) for line in (root / "overflow" / "metrics.jsonl").read_text().splitlines()]
+    resumed = [json.loads(line) for line in (root / "overflow-resumed" / "metrics.jsonl").read_text().splitlines()]
+    keys = ("step", "loss", "loss_scale", "skipped")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in uninterrupted[CKPT_STEP:]]
 
 
 @pytest.mark.slow

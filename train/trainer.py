@@ -206,14 +206,15 @@ class Trainer:
         return result
 
     def _count_skipped(self, result: StepResult) -> None:
-        """A skipped (non-finite) step is counted; too many in a row stop the run."""
+        """A skipped step is counted; too many non-finite ones in a row stop the run (an fp16 overflow
+        the loss scaler recovers from is not one of them)."""
         state = self.state
         if result.applied:
             state.nan_streak = 0
             return
         if result.overflow and result.loss_scale >= MIN_LOSS_SCALE:
-            # fp16's loss scaler at work, not a diverging run: the scale is halved and the step retried
-            # on the next batch (the streak goes on where it was; DeepSpeed's min_loss_scale is 1 too).
+            # fp16's loss scaler at work, not a diverging run: this batch's update is dropped, the scale halved
+            # (the non-finite streak stays where it was; below MIN_LOSS_SCALE it counts, as DeepSpeed stops at 1).
             state.skipped_steps += 1
             if self.dist.is_main:
                 log.info(

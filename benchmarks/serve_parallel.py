@@ -279,7 +279,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {k: [] for k in LAYOUTS}
         for i in range(repeats):  # interleaved, so drift in the machine's speed hits every layout alike
             for name in LAYOUTS:
-                profile = args.profile and i == repeats - 1
+                profile = args.profile and i == 0  # the first round: started on a quiet machine, if any
                 runs[name].append(run_layout(ckpt, name, reqs, num_blocks, cfg.vocab_size, decode_n, profile))
                 print(f"  run {i + 1}/{repeats} {name}: {runs[name][-1]['out_tok_per_s']:.0f} out tok/s", flush=True)
     rows = {k: median_row(v) for k, v in runs.items()}
@@ -304,7 +304,8 @@ def main() -> None:
         "code": code_state(),
         "step_plan_64_decodes": plan_cost(reqs if len(reqs) >= DECODE_BATCH else workload(DECODE_BATCH)),
         "layouts": rows,
-        "profile": {k: v[-1]["profile"] for k, v in runs.items() if "profile" in v[-1]},
+        "profile": {k: v[0]["profile"] for k, v in runs.items() if "profile" in v[0]},
+        "runs": {k: [{f: x for f, x in run.items() if f != "profile"} for run in v] for k, v in runs.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_parallel.json").write_text(json.dumps(result, indent=2) + "\n")

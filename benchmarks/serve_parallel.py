@@ -5,15 +5,17 @@ fp32) serves the engine benchmark's ShareGPT-like mixed workload (benchmarks/ser
 `workload`, all requests at t=0, greedy, ignore_eos) through `LLM(..., tensor_parallel_size=,
 pipeline_parallel_size=)`. T=1 runs in this process with every core; a sharded layout runs one
 process per rank with cores // ranks threads each (what start_distributed gives them), so every
-layout has the same cores. Layouts are interleaved, `--repeats` runs each, medians reported,
-because this machine's speed drifts by up to 2x over minutes.
+layout has the same cores; "T=1/1t" (one process at one thread) is a control that separates what
+sharding costs from what threads do. Layouts are interleaved, `--repeats` runs each, medians and
+best runs reported, because this machine is shared and its speed drifts by up to 2x over minutes.
 
-Per layout: output tokens/s, TTFT and TPOT (mean/p50/p90), a steady decode step at batch 64,
-the driver's control-plane time per step (DistributedRunner.control_s / steps: handing each step's
-command to the workers), per-rank weight bytes and per-rank KV bytes (block bytes x blocks; every
-layout gets the same number of KV blocks, so they schedule alike). Also the pickled size and
-(un)pickling time of the control-plane message for a batch of 64 decodes. `--profile` adds torch.profiler on the
-driver over the batch-64 decode steps (T=1 vs T=2), by op category.
+Per layout: output tokens/s, TTFT and TPOT (mean/p50/p90), a steady decode round at batch 64
+(every sequence one token further), the driver's control-plane time per step
+(DistributedRunner.control_s / steps: handing each step's command to the workers), per-rank weight
+bytes and per-rank KV bytes (block bytes x blocks; every layout gets the same number of KV blocks,
+so they schedule alike). Also the pickled size and (un)pickling time of the control-plane message
+for a batch of 64 decodes. `--profile` adds torch.profiler on the driver over the batch-64 decode
+(first round), by op category. Each run records the load average: rerun on a quiet machine.
 
 Usage: python benchmarks/serve_parallel.py [--smoke] [--profile] [--out DIR]
        (writes OUT/serve_parallel.{json,png}; OUT defaults to benchmarks/results)
@@ -94,27 +96,31 @@ def memory(runner) -> dict:
 
 
 def decode_steps(llm: LLM, vocab: int, steps: int, profile: bool = False) -> dict:
-    """A steady decode at batch DECODE_BATCH: the mean step time after one prefill step (and the
-    driver's torch profile of those steps when asked)."""
+    """A steady decode at batch DECODE_BATCH, timed once every sequence has its first token: ms per
+    round (every sequence one token further: one step, or P steps when a pipeline keeps P batches
+    in flight, each of about 1/P of the sequences), tokens/s, and the driver's torch profile when asked."""
     engine, rng, tag = llm.engine, random.Random(3), "p" if profile else "d"
     for i in range(DECODE_BATCH):
         prompt = [rng.randrange(vocab) for _ in range(16)]
         engine.add_request(f"{tag}{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
-    engine.step()  # the prefill (and each sequence's first token)
+    started: set[str] = set()
+    while len(started) < DECODE_BATCH:  # the prefills (and each sequence's first token)
+        started |= {out.request_id for out in engine.step() if out.outputs[0].delta_token_ids}
     c0, s0 = control(engine.runner)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     t0 = time.perf_counter()
     if prof:
         prof.start()
-    n = 0
+    n = tokens = 0
     while engine.has_unfinished_requests():
-        engine.step()
+        tokens += sum(len(out.outputs[0].delta_token_ids) for out in engine.step())
         n += 1
     wall = time.perf_counter() - t0
     if prof:
         prof.stop()
     c1, s1 = control(engine.runner)
-    out = {"step_ms": wall / n * 1e3, "steps": n}
+    out = {"round_ms": DECODE_BATCH * wall / tokens * 1e3, "tok_per_s": tokens / wall, "step_ms": wall / n * 1e3}
+    out["steps"] = n
     if s1 > s0:
         out["control_ms_per_step"] = (c1 - c0) / (s1 - s0) * 1e3
     if prof:
@@ -248,11 +254,11 @@ def median_row(runs: list[dict]) -> dict:
     row = dict(ordered[len(ordered) // 2])
     row.pop("profile", None)  # kept once, beside the layouts
     row["runs_out_tok_per_s"] = [r["out_tok_per_s"] for r in runs]
-    row["runs_decode_step_ms"] = [r["decode"]["step_ms"] for r in runs]
-    row["decode_step_ms_median"] = statistics.median(row["runs_decode_step_ms"])
+    row["runs_decode_round_ms"] = [r["decode"]["round_ms"] for r in runs]
+    row["decode_round_ms_median"] = statistics.median(row["runs_decode_round_ms"])
     row["runs_loadavg_1m"] = [r["loadavg_1m"] for r in runs]
     row["best_out_tok_per_s"] = ordered[-1]["out_tok_per_s"]
-    row["best_decode_step_ms"] = min(row["runs_decode_step_ms"])
+    row["best_decode_round_ms"] = min(row["runs_decode_round_ms"])
     return row
 
 
@@ -331,7 +337,7 @@ def report(r: dict) -> None:
             f"{name:<7}{row['threads_per_rank']:>4}{row['out_tok_per_s']:>10.0f}{row['throughput_vs_T1']:>8.2f}"
             f"{ttft['mean']:>8.2f}/{ttft['p50']:.2f}/{ttft['p90']:.2f}"
             f"{tpot['mean'] * 1e3:>10.0f}/{tpot['p50'] * 1e3:.0f}/{tpot['p90'] * 1e3:.0f}"
-            f"{row['decode_step_ms_median']:>10.1f}{'-' if ctrl is None else f'{ctrl:.2f}':>9}"
+            f"{row['decode_round_ms_median']:>10.1f}{'-' if ctrl is None else f'{ctrl:.2f}':>9}"
             f"{'/'.join(f'{b / 2**20:.0f}' for b in row['weight_bytes']):>18}"
             f"{'/'.join(f'{b / 2**20:.0f}' for b in row['kv_bytes']):>13}"
         )
@@ -339,7 +345,7 @@ def report(r: dict) -> None:
         loads = " ".join(f"{a:.1f}" for a, _ in row["runs_loadavg_1m"])
         print(
             f"{'':<11}runs: {runs} out tok/s (load at start {loads}); best {row['best_out_tok_per_s']:.0f} "
-            f"= {row['best_throughput_vs_T1']:.2f}x T=1's best, best dec64 {row['best_decode_step_ms']:.1f} ms"
+            f"= {row['best_throughput_vs_T1']:.2f}x T=1's best, best dec64 {row['best_decode_round_ms']:.1f} ms"
         )
     p = r["step_plan_64_decodes"]
     print(f"control-plane message, {p['batch']} decodes (mean context {p['mean_context']:.0f}):")

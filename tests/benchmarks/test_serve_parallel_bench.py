@@ -29,7 +29,7 @@ def test_smoke_reports_every_layout(tmp_path):
     cores = os.cpu_count() or 1
     assert [rows[k]["threads_per_rank"] for k in rows] == [cores, max(1, cores // 2), max(1, cores // 2), 1]
     for row in rows.values():
-        assert 0 < row["out_tok_per_s"] <= row["best_out_tok_per_s"] and row["decode"]["step_ms"] > 0
+        assert 0 < row["out_tok_per_s"] <= row["best_out_tok_per_s"] and row["decode"]["round_ms"] > 0
         for q in ("ttft_s", "tpot_s"):
             assert 0 < row[q]["p50"] <= row[q]["p90"]
 

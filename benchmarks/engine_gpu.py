@@ -18,8 +18,8 @@ Different kernels round differently, so a sequence may part from the reference a
 reference's two best tokens within TIE in log-probability there (checked with its logprobs); after
 that point the tokens are not compared. Any other difference is a failure. TF32 is off everywhere
 (cuBLAS through NVIDIA_TF32_OVERRIDE=0, which the spawned workers inherit; the kernels keep fp32 in
-tl.dot). Throughput: output tokens/s of a second, timed run on each device (the first one compiles
-the Triton kernels). Writes OUT/engine_gpu.{json,png} (OUT: --out, by default benchmarks/results; a
+tl.dot). Throughput: output tokens/s of each run (on CUDA a second, timed run: the first one
+compiles the Triton kernels). Writes OUT/engine_gpu.{json,png} (OUT: --out, by default benchmarks/results; a
 temporary folder in smoke mode, whose timings mean nothing). Exit status 1 if any check fails,
 2 without CUDA (and no --smoke).
 """
@@ -51,6 +51,7 @@ from serve_engine import MODEL, RESULTS  # noqa: E402 - the engine benchmark's (
 
 TIE = 1e-4  # log-probability gap under which two kernels may pick either token
 MAX_TOKENS = 48
+SMOKE_TOKENS = 12  # the smoke run checks that the script works, not the kernels
 NUM_BLOCKS = 512  # fixed, so both devices schedule alike (and the GPU's pool is not sized from 139 GiB)
 SECTIONS = ("tp1", "tp2")
 CHECKS: list[dict] = []
@@ -70,12 +71,13 @@ def engine_config() -> EngineConfig:
     return EngineConfig(num_kv_blocks=NUM_BLOCKS, scheduler=SchedulerConfig(max_num_batched_tokens=256))
 
 
-def generate(ckpt: Path, device: str, tp: int) -> tuple[list[list[int]], list[list[dict]], float]:
-    """(tokens, logprobs, output tokens/s of the timed second run) for every prompt."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+def generate(ckpt: Path, device: str, tp: int, max_tokens: int) -> tuple[list[list[int]], list[list[dict]], float]:
+    """(tokens, logprobs, output tokens/s) for every prompt; on CUDA from a second run (the first
+    compiles the Triton kernels)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     with LLM(ckpt, engine_config(), device=device, dtype=torch.float32, tensor_parallel_size=tp) as llm:
-        llm.generate(prompts(), params)  # warm-up: compiles the kernels
         if device == "cuda":
+            llm.generate(prompts(), params)
             torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts(), params)
@@ -127,10 +129,11 @@ def main() -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="baton-engine-smoke-")) if args.smoke else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke)"
+    max_tokens = SMOKE_TOKENS if args.smoke else MAX_TOKENS
     with tempfile.TemporaryDirectory(prefix="baton-engine-gpu-") as tmp:
         ckpt = save_model(Path(tmp) / "model", build_model(ModelConfig(**MODEL), seed=0))
-        print(f"reference: CPU, TP=1, {len(prompts())} prompts x {MAX_TOKENS} tokens, fp32 greedy")
-        ref = generate(ckpt, "cpu", 1)
+        print(f"reference: CPU, TP=1, {len(prompts())} prompts x {max_tokens} tokens, fp32 greedy")
+        ref = generate(ckpt, "cpu", 1, max_tokens)
         ROWS.append({"name": "cpu tp1 (reference)", "device": "cpu", "tp": 1, "out_tok_per_s": ref[2]})
         for section in only:
             tp = int(section[2:])
@@ -139,14 +142,14 @@ def main() -> int:
                 CHECKS.append({"name": f"{device} {section}", "ok": True, "skipped": "too few devices"})
                 continue
             try:
-                got = generate(ckpt, device, tp)
+                got = generate(ckpt, device, tp, max_tokens)
                 compare(f"{device} {section} vs cpu tp1", ref, got)
                 ROWS.append({"name": f"{device} {section}", "device": device, "tp": tp, "out_tok_per_s": got[2]})
             except Exception as e:  # a broken section must not cost the others' results (device time is scarce)
                 traceback.print_exc()
                 FAILURES.append(f"section {section} stopped: {type(e).__name__}: {e}")
-            write(out, name)
-    write(out, name)
+            write(out, name, max_tokens)
+    write(out, name, max_tokens)
     for row in ROWS:
         print(f"  {row['name']:<24}{row['out_tok_per_s']:>10.0f} output tokens/s")
     print(f"wrote {out / 'engine_gpu.json'} and {out / 'engine_gpu.png'}")
@@ -154,9 +157,9 @@ def main() -> int:
     return 1 if FAILURES else 0
 
 
-def write(out: Path, device: str) -> None:
+def write(out: Path, device: str, max_tokens: int) -> None:
     """Rewritten after every section, so a run stopped at its time limit still leaves what it measured."""
-    result = {"device": device, "model": MODEL, "max_tokens": MAX_TOKENS, "tie": TIE}
+    result = {"device": device, "model": MODEL, "max_tokens": max_tokens, "tie": TIE}
     result |= {"checks": CHECKS, "throughput": ROWS, "failures": FAILURES}
     (out / "engine_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     import matplotlib

@@ -36,7 +36,7 @@ def test_smoke_checks_tp2_against_the_cpu_reference(tmp_path):
     assert "check cpu tp2 vs cpu tp1: " in out.stdout and "0 failure(s)" in out.stdout
     r = json.loads((tmp_path / "engine_gpu.json").read_text())
     [check] = r["checks"]
-    assert check["name"] == "cpu tp2 vs cpu tp1" and check["ok"] and check["sequences"] == 10
+    assert check["name"] == "cpu tp2 vs cpu tp1" and check["ok"] and check["sequences"] == 10 and r["max_tokens"] == 12
     assert [row["name"] for row in r["throughput"]] == ["cpu tp1 (reference)", "cpu tp2"]
     assert all(row["out_tok_per_s"] > 0 for row in r["throughput"])
     assert (tmp_path / "engine_gpu.png").stat().st_size > 5_000

@@ -1,9 +1,9 @@
 """load_shard(): one rank's part of a checkpoint, read slice by slice from its safetensors files.
 
 The model is built on the meta device (float, or the quantized skeleton its config describes),
-cut by shard_model(), and each remaining tensor is read with safetensors' get_slice: only this
-rank's rows/columns leave the file, so no rank ever holds the whole model. Every slice is checked
-against the local module's shape and dtype. A tied LM head on a last stage without the embedding
+cut by shard_model(), and each remaining tensor is read with safetensors' get_slice
+(baton.common.weight_slices): only this rank's rows/columns leave the file, so no rank ever holds
+the whole model. Every slice is checked against the local module's shape and dtype. A tied LM head on a last stage without the embedding
 reads the embedding's tensor. The driver verifies the checkpoint's sha256s once before the
 workers start; workers do not re-hash.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from baton.common.checkpoint import CheckpointError, read_config, weight_files
+from baton.common.checkpoint import CheckpointError, read_config
 from baton.common.model import CausalLM
+from baton.common.weight_slices import WeightSlices
 from baton.serve.parallel.shard import Shard, Slice, shard_model
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import set_compute_dtype
@@ -37,14 +37,13 @@ def _skeleton(directory: Path, dtype: torch.dtype | None) -> tuple[CausalLM, Qua
         return CausalLM(config).to(dtype or config.dtype), None
 
 
-def _read(handle, name: str, spec: Slice | None) -> torch.Tensor:
+def _read(weights: WeightSlices, name: str, spec: Slice | None) -> torch.Tensor:
     if spec is None:
-        return handle.get_tensor(name)
-    part = handle.get_slice(name)
-    shape = part.get_shape()
-    stop = min(spec.stop, shape[spec.dim])
-    index = tuple(slice(spec.start, stop) if d == spec.dim else slice(None) for d in range(len(shape)))
-    t = part[index]
+        return weights.read(name)
+    stop = min(spec.stop, weights.shape(name)[spec.dim])
+    t = weights.read(
+        name, tuple(slice(spec.start, stop) if d == spec.dim else slice(None) for d in range(spec.dim + 1))
+    )
     if t.shape[spec.dim] < spec.size:  # the padded end of a vocabulary split
         pad = list(t.shape)
         pad[spec.dim] = spec.size - t.shape[spec.dim]
@@ -63,23 +62,17 @@ def load_shard(
     model, qcfg = _skeleton(d, dtype)
     specs = shard_model(model, shard, group)
     cfg = model.config
-    files = {}
-    for f in weight_files(d):
-        with safe_open(f, framework="pt") as h:
-            files.update({k: f for k in h.keys()})
+    files = WeightSlices(d)
     want = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     floats = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     state: dict[str, torch.Tensor] = {}
-    handles: dict[Path, object] = {}
     for name, meta in want.items():
         source = name
         if name == "lm_head.weight" and cfg.tie_word_embeddings and name not in files:
             source = "model.embed_tokens.weight"
         if source not in files:
             raise CheckpointError(f"missing tensor {source!r} (expected {tuple(meta.shape)} {meta.dtype})")
-        if files[source] not in handles:
-            handles[files[source]] = safe_open(files[source], framework="pt").__enter__()
-        t = _read(handles[files[source]], source, specs.get(name))
+        t = _read(files, source, specs.get(name))
         if name in floats and t.is_floating_point():
             t = t.to(meta.dtype)
         if t.shape != meta.shape or t.dtype != meta.dtype:
@@ -88,8 +81,6 @@ def load_shard(
                 f"expects {tuple(meta.shape)} {meta.dtype}"
             )
         state[name] = t.to(device).contiguous().clone()  # fresh, aligned storage (see quantization/loader.py)
-    for h in handles.values():
-        h.__exit__(None, None, None)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings and shard.first_stage and shard.last_stage:
         model.lm_head.weight = model.model.embed_tokens.weight

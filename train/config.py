@@ -88,6 +88,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Router losses of MoE models (baton.train.moe), each averaged over the MoE layers; ignored
+    for dense models. Defaults: Switch's load-balancing alpha and ST-MoE's z-loss coefficient."""
+
+    aux_loss_coef: float = 0.01  # x Switch/Mixtral load-balancing loss (k when balanced)
+    z_loss_coef: float = 0.001  # x router z-loss, mean logsumexp(router logits)^2
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True  # a tqdm bar on rank 0
     tensorboard: bool = True  # event files under out_dir/tensorboard
@@ -107,6 +116,7 @@ class TrainConfig:
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torch3d: the dp x pp x cp x tp layout
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router loss coefficients
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     micro_batch_size: int = 8
@@ -187,6 +197,7 @@ class TrainConfig:
         self._validate_precision(need)
         self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
+        self._validate_moe(need)
         r = self.recompute
         need(r.mode in RECOMPUTE_MODES, f"recompute.mode must be one of {RECOMPUTE_MODES}, got {r.mode!r}")
         need(
@@ -305,6 +316,22 @@ class TrainConfig:
         # deepspeed.extra is merged on top: what DeepSpeed will really run is checked, not just Baton's keys.
         check_ds_config(need, self, dp if dp is not None else read_launch().world_size)
 
+    def _validate_moe(self, need) -> None:
+        m = self.moe
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            v = getattr(m, name)
+            need(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                f"moe.{name} must be a number >= 0, got {v!r}",
+            )
+        routed = self.model_config(vocab_size=self.model.get("vocab_size", 1024)).num_local_experts > 0
+        need(
+            not (self.precision == "fp16" and routed and (m.aux_loss_coef or m.z_loss_coef)),
+            "precision fp16 with MoE router losses: their gradient is injected beside the loss, where the "
+            "dynamic loss scale is not applied; use precision bf16, or set moe.aux_loss_coef and "
+            "moe.z_loss_coef to 0",
+        )
+
     def _validate_parallel(self, need) -> None:
         """The layout, checked with the launcher's (or srun's) world size before any process group exists
         (the vocabulary is not known yet, and no layout check depends on it)."""
@@ -352,6 +379,7 @@ _SECTIONS = {
     "loss_scale": LossScaleConfig,
     "deepspeed": DeepSpeedConfig,
     "recompute": RecomputeConfig,
+    "moe": MoEConfig,
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "parallel": ParallelConfig,

@@ -28,6 +28,7 @@ from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist, init_distributed, read_launch
 from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
+from baton.train.moe import router_metrics
 from baton.train.recompute import apply_recompute
 from baton.train.schedule import lr_at
 
@@ -266,6 +267,7 @@ class Trainer:
                     "n/a" if self.val_loss is None else f"{self.val_loss:.4f}",
                 )
         if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
+            record.update(router_metrics(self.backend.module))  # MoE: router losses since the last record
             self.metrics.log(record)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)

@@ -23,6 +23,7 @@ import torch
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
+from baton.train.moe import attach_router_losses
 
 
 @dataclass
@@ -110,6 +111,10 @@ def step_loss(dist: Dist, loss_sum: torch.Tensor, micro_batches: int) -> float:
 
 
 def build_backend(cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist) -> Backend:
+    # MoE models: the router losses join the backward of every backend, scaled like its loss.
+    attach_router_losses(
+        model, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef, cfg.accum_steps(cfg.data_parallel_size(dist.world_size))
+    )
     if cfg.backend == "deepspeed":
         from baton.train.backends.deepspeed import DeepSpeedBackend
 

@@ -1,4 +1,5 @@
-"""The parallel layout (dp x pp x cp x tp) and the check that rejects impossible ones.
+"""The parallel layout (dp x pp x cp x tp; ep inside dp for MoE experts) and the check that
+rejects impossible ones.
 
 Everything here is arithmetic on the config and the world size, so a bad layout fails with a
 clear message before any process group, mesh or weight exists.
@@ -25,6 +26,7 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1  # virtual stages per pipeline rank (interleaved_1f1b needs >= 2)
     dp_mode: str = "fsdp"  # fsdp (FSDP2 fully_shard over dp x cp) | ddp (replicated, tp == 1 only)
+    ep: int = 1  # expert parallel (MoE): experts dealt out over ep of the dp ranks (expert_parallel.py)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,7 @@ class Layout3D:
     pp_schedule: str
     stages_per_rank: int
     dp_mode: str
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -60,6 +63,8 @@ class Layout3D:
             parts.append("sp")
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}x{self.stages_per_rank}")
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " ".join(parts)
 
 
@@ -73,7 +78,7 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
         if not cond:
             raise ConfigError(f"invalid parallel layout: {msg}")
 
-    for name in ("tp", "pp", "cp", "pp_stages_per_rank"):
+    for name in ("tp", "pp", "cp", "pp_stages_per_rank", "ep"):
         v = getattr(par, name)
         need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive integer, got {v!r}")
     need(
@@ -151,6 +156,8 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
                 f"multiple of {rounds} (micro-batches // pp)",
             )
 
+    if par.ep > 1:
+        _check_ep(need, par, model, dp)
     if par.cp > 1:
         need(
             seq_len % (2 * par.cp) == 0,
@@ -168,7 +175,24 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
         par.pp_schedule,
         par.pp_stages_per_rank,
         par.dp_mode,
+        par.ep,
     )
+
+
+def _check_ep(need, par: ParallelConfig, model: ModelConfig, dp: int) -> None:
+    """Experts are dealt out whole over an ep sub-group of the data-parallel ranks."""
+    experts = model.num_local_experts
+    need(experts > 0, f"ep={par.ep} needs an MoE model (num_local_experts > 0)")
+    need(experts % par.ep == 0, f"ep={par.ep} does not divide the {experts} experts (num_local_experts)")
+    need(
+        dp % par.ep == 0,
+        f"ep={par.ep} does not divide the data-parallel degree dp={dp} (experts are sharded over ep of the dp ranks)",
+    )
+    need(
+        par.dp_mode == "fsdp",
+        "ep > 1 needs dp_mode fsdp (the experts are FSDP2 units over their expert-data-parallel group)",
+    )
+    need(par.cp == 1, "ep > 1 with context parallelism is not supported (use cp=1)")
 
 
 def data_parallel_size(par: ParallelConfig, world_size: int) -> int:

@@ -1,9 +1,10 @@
 """parallelize(): one CausalLM laid out over a dp x pp x cp x tp mesh, and its training step.
 
 The order is Megatron's and torchtitan's: cut into pipeline stages, tensor + sequence parallelism
-inside each stage, context parallelism as the attention core, activation recomputation, then data
-parallelism (FSDP2 or DDP) over dp x cp. The model definition is never touched: parallelism is
-module plans, an attention backend and wrappers applied from outside.
+inside each stage, expert parallelism (MoE experts dealt out over ep of the dp ranks), context
+parallelism as the attention core, activation recomputation, then data parallelism (FSDP2 or DDP)
+over dp x cp (the held experts first, over their expert-data-parallel group). The model definition
+is never touched: parallelism is module plans, an attention backend and wrappers applied from outside.
 
 The step runs a data-parallel rank's micro-batches: through the pipeline schedule when pp > 1
 (the micro-batches are the pipeline's), else one after another with gradient sync on the last.
@@ -32,6 +33,7 @@ from baton.train.backends import COMPUTE_DTYPES, autocast, param_groups
 from baton.train.config import OptimConfig, RecomputeConfig
 from baton.train.parallel.context_parallel import RingAttention, zigzag_indices, zigzag_shard
 from baton.train.parallel.data_parallel import apply_ddp, apply_fsdp
+from baton.train.parallel.expert_parallel import apply_ep, is_expert_parameter, shard_experts
 from baton.train.parallel.mesh import Mesh3D
 from baton.train.parallel.pipeline import build_chunks, build_schedule
 from baton.train.parallel.tensor_parallel import apply_tp
@@ -76,6 +78,9 @@ class Parallel3D:
         if lay.tp > 1:
             for chunk in self.chunks:
                 apply_tp(chunk, mesh["tp"], lay.sequence_parallel, lay.loss_parallel)
+        if lay.ep > 1:
+            for chunk in self.chunks:
+                apply_ep(chunk, mesh.ep)
         if recompute is not None:
             attn = apply_recompute(model, recompute)
         attn = _with_core(attn or DenseCausalAttention(), RingAttention(mesh.group("cp")) if lay.cp > 1 else None)
@@ -90,6 +95,9 @@ class Parallel3D:
         # residual stream stays float32 (embedding and norms are float32, matmul outputs are added to it).
         self.activation_dtype = compute if fsdp else torch.float32
         self.runners: list[torch.nn.Module] = list(self.chunks)  # what runs forward (the DDP wrappers)
+        if lay.ep > 1:  # ep > 1 implies FSDP2 over dp >= ep (check_layout)
+            for chunk in self.chunks:
+                shard_experts(chunk, mesh.edp, lay.dp, compute if compute != torch.float32 else None, lay.pp == 1)
         if self.data_parallel:
             self.runners = (
                 apply_fsdp(self.chunks, mesh.data, lay.pp > 1, compute if compute != torch.float32 else None)
@@ -200,7 +208,7 @@ class Parallel3D:
         dimensions it is sharded on and over the pipeline stages."""
         self._settle_grads()
         partial: dict[Any, torch.Tensor] = {}
-        for _, p in self.named_parameters():
+        for name, p in self.named_parameters():
             g = p.grad
             if g is None:
                 continue
@@ -210,13 +218,17 @@ class Parallel3D:
                 local = g.to_local()
             else:
                 key, local = None, g
+            # Expert parallelism: each ep rank holds other experts, so theirs add up over ep too.
+            key = (key, self.layout.ep > 1 and is_expert_parameter(name))
             partial[key] = partial.get(key, torch.zeros((), dtype=torch.float64)) + local.double().pow(2).sum().cpu()
         total = torch.zeros((), dtype=torch.float64)
-        for key, sq in partial.items():
+        for (key, over_ep), sq in partial.items():
             if key is not None:
                 mesh, dims = key
                 for d in dims:
                     dist.all_reduce(sq, group=mesh.get_group(d))
+            if over_ep:
+                dist.all_reduce(sq, group=self.mesh.ep.get_group())
             total += sq
         if self.layout.pp > 1:
             dist.all_reduce(total, group=self.mesh.group("pp"))

@@ -1,0 +1,114 @@
+"""MoE router losses for training: Switch/Mixtral load balancing and the ST-MoE router z-loss.
+
+Per MoE layer, on the token-slots of one micro-batch (T tokens, E experts, top-k):
+  load balancing  E * sum_i f_i * P_i,  f_i = tokens routed to expert i / T (the f_i sum to k),
+                  P_i = mean router probability of expert i   (Switch eq. 4; HF Mixtral's
+                  load_balancing_loss_func on that one layer's logits: k when perfectly balanced)
+  router z-loss   mean over tokens of logsumexp(router logits)^2   (ST-MoE eq. 5)
+Both are averaged over the MoE layers (so a coefficient means the same at any depth) and weighted
+by the recipe's `moe.aux_loss_coef` / `moe.z_loss_coef`. HF's whole-model call pools every
+layer's statistics before multiplying them; per layer is Switch's and Megatron's definition.
+
+The losses reach the gradients through Megatron's MoEAuxLossAutoScaler trick: an autograd
+function returns the layer's output unchanged and, in backward, injects d(coef x loss)/d(router)
+scaled like the main loss (1 / micro-batches per step). No backend's loss code changes, and it
+works through pipeline stages (the loss lives where its layer does), FSDP2, DDP and ZeRO. Every
+micro-batch's loss is local to its rank: data-parallel averaging then gives exactly the gradient
+of the mean over all micro-batches, as one process accumulating them would.
+
+The values are recorded on the modules (detached) and read by `router_metrics` for the logs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.common.model import MoE
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on `out`; backward gives `loss` the gradient `scale` (d total / d loss)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.full_like(loss, ctx.scale), None
+
+
+def load_balancing_loss(logits: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """E * sum_i f_i P_i for one layer (logits [T, E], chosen [T, k]), in float32."""
+    probs = F.softmax(logits.float(), dim=-1)
+    counts = torch.bincount(chosen.flatten(), minlength=num_experts).to(probs.dtype)
+    return num_experts * torch.sum(counts / logits.shape[0] * probs.mean(dim=0))
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """mean_t logsumexp(logits_t)^2: keeps router logits small (ST-MoE), in float32."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class RouterLoss:
+    """MoE.router_loss for one model: adds coef x loss / layers to the backward, records values."""
+
+    def __init__(self, aux_coef: float, z_coef: float, num_layers: int, micro_batches: int = 1):
+        self.aux_coef, self.z_coef, self.num_layers = aux_coef, z_coef, num_layers
+        self.micro_batches = micro_batches  # the main loss is divided by it before backward
+
+    def __call__(self, moe: MoE, out: torch.Tensor, logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # eval and serving: no gradients, nothing logged
+            return out
+        aux = load_balancing_loss(logits, chosen, len(moe.experts))
+        z = router_z_loss(logits)
+        zero = (torch.bincount(chosen.flatten(), minlength=len(moe.experts)) == 0).sum()
+        _record(moe, aux.detach(), z.detach(), zero)
+        scale = 1.0 / (self.num_layers * self.micro_batches)
+        total = self.aux_coef * aux + self.z_coef * z
+        if total.requires_grad and (self.aux_coef or self.z_coef):
+            out = AuxLossAutoScaler.apply(out, total, scale)
+        return out
+
+
+def _record(moe: MoE, aux: torch.Tensor, z: torch.Tensor, zero: torch.Tensor) -> None:
+    """Running sums since the last router_metrics call (kept on the device: no host sync here)."""
+    stats = moe.__dict__.setdefault("router_stats", {"n": 0})
+    if stats["n"] == 0:
+        stats.update(aux=aux, z=z, zero_experts=zero, n=1)
+    else:
+        stats.update(aux=stats["aux"] + aux, z=stats["z"] + z, zero_experts=stats["zero_experts"] + zero)
+        stats["n"] += 1
+
+
+def attach_router_losses(model: nn.Module, aux_coef: float, z_coef: float, micro_batches: int) -> int:
+    """Give every MoE layer of `model` the router losses; returns how many layers there are."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    hook = RouterLoss(aux_coef, z_coef, len(layers), micro_batches)
+    for m in layers:
+        m.router_loss = hook
+    return len(layers)
+
+
+def router_metrics(model: nn.Module) -> dict[str, float]:
+    """Mean load-balancing and z-loss since the last call over this rank's MoE layers (under a
+    pipeline: the layers of its stages), and how many (layer, micro-batch) pairs left an expert
+    without tokens; resets the sums. Empty for a dense model."""
+    aux, z, calls, zero = 0.0, 0.0, 0, 0
+    for m in model.modules():
+        stats = m.__dict__.get("router_stats") if isinstance(m, MoE) else None
+        if not stats or stats["n"] == 0:
+            continue
+        aux += stats["aux"].item()
+        z += stats["z"].item()
+        zero += int(stats["zero_experts"].item())
+        calls += stats["n"]
+        stats["n"] = 0
+    if calls == 0:
+        return {}
+    return {"moe_aux_loss": aux / calls, "moe_z_loss": z / calls, "moe_zero_token_experts": zero}

@@ -1,6 +1,7 @@
 """SLURM: a one-node cluster on localhost (launchers/slurm/local_cluster.sh) runs
 launchers/train.sbatch for a tiny 2-rank job and launchers/serve.sbatch for its handoff; the
-other sbatch scripts are checked in dry-run mode (their commands and the DeepSpeed hostfile).
+sbatch scripts' commands are also checked in dry-run mode. Two nodes (train.sbatch and
+deepspeed.sbatch over two network namespaces) are tests/train/test_two_node.py.
 
 Needs Debian's slurm-wlm daemons and munge (CI: apt-get install -y --no-install-recommends
 slurmctld slurmd slurm-client munge) and root; skipped, saying so, where they are absent."""
@@ -56,25 +57,34 @@ def cluster(tmp_path_factory):
         subprocess.run([script, "stop", str(state)], env=env, timeout=180)
 
 
-def submit(env: dict[str, str], args: list[str], **extra: str) -> str:
+# `where`: the words that run a client where the controller is reachable (a namespaced cluster's
+# first node: tests/train/test_two_node.py); nothing for the localhost cluster.
+def submit(env: dict[str, str], args: list[str], where: tuple[str, ...] = (), **extra: str) -> str:
     out = subprocess.run(
-        ["sbatch", "--parsable", *args], env={**env, **extra}, capture_output=True, text=True, timeout=60, cwd=ROOT
+        [*where, "sbatch", "--parsable", *args],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().split(";")[0]
 
 
-def job_state(env: dict[str, str], job: str) -> str:
-    info = subprocess.run(["scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True).stdout
+def job_state(env: dict[str, str], job: str, where: tuple[str, ...] = ()) -> str:
+    info = subprocess.run(
+        [*where, "scontrol", "-o", "show", "job", job], env=env, capture_output=True, text=True
+    ).stdout
     m = re.search(r"JobState=(\S+)", info)
     return m.group(1) if m else "UNKNOWN"
 
 
-def wait_for(env: dict[str, str], job: str, states: set[str], timeout: float) -> str:
+def wait_for(env: dict[str, str], job: str, states: set[str], timeout: float, where: tuple[str, ...] = ()) -> str:
     """Poll scontrol (sbatch --wait backs off to tens of seconds) until the job is in `states`."""
     deadline, state = time.monotonic() + timeout, ""
     while time.monotonic() < deadline:
-        state = job_state(env, job)
+        state = job_state(env, job, where)
         if state in states:
             return state
         time.sleep(0.5)
@@ -174,27 +184,27 @@ def dry_conf(tmp_path: Path) -> str:
     return str(tmp_path / "slurm.conf")
 
 
-@needs_scontrol
-def test_deepspeed_sbatch_builds_its_hostfile_from_the_nodelist(tmp_path):
+def test_deepspeed_sbatch_has_srun_start_one_rank_per_slot(tmp_path):
+    """No hostfile, pdsh or ssh: srun starts the job's tasks, each a `baton train` that reads its rank
+    from SLURM's variables (run for real over two nodes in tests/train/test_two_node.py)."""
     env = _env(
         SLURM_JOB_NODELIST="node[01-03]",
+        SLURM_JOB_NUM_NODES="3",
+        SLURM_NTASKS_PER_NODE="4",
+        SLURM_CPUS_ON_NODE="16",
         SLURM_JOB_ID="77",
-        NPROC_PER_NODE="4",
         BATON_DIR=str(ROOT),
-        HOSTFILE=str(tmp_path / "hosts"),
+        DS_ACCELERATOR="cpu",
         DRY_RUN="1",
-        SLURM_CONF=dry_conf(tmp_path),
     )
     out = subprocess.run(
         [str(LAUNCHERS / "deepspeed.sbatch"), "--config", "c.yaml"], env=env, capture_output=True, text=True, timeout=30
     )
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "hosts").read_text().splitlines() == [f"node0{i} slots=4" for i in (1, 2, 3)]
-    assert (
-        "--hostfile" in out.stdout
-        and "--master-addr node01" in out.stdout
-        and out.stdout.rstrip().endswith("-- --config c.yaml")
-    )
+    assert "on 3 node(s) x 4 rank(s), started by srun" in out.stdout, out.stdout
+    assert "srun --nodes=3 --ntasks-per-node=4 --kill-on-bad-exit=1" in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("-m baton.common.cli train --config c.yaml"), out.stdout
+    assert "hostfile" not in out.stdout and "deepspeed.sh" not in out.stdout
 
 
 @needs_scontrol

@@ -1,5 +1,5 @@
-"""Two nodes for real: two network namespaces joined by a veth pair (198.18.0.1 and 198.18.0.2, a
-benchmarking range no traffic leaves), one torchrun in each (--nnodes 2, one rank per node), each
+"""Two nodes for real: two network namespaces joined by a veth pair (tests/netns.py: 198.18.0.1
+and 198.18.0.2, a benchmarking range no traffic leaves), one torchrun in each (--nnodes 2, one rank per node), each
 running `baton serve -tp 2`. Rank 0 serves gRPC on 198.18.0.1; a client inside that namespace gets
 greedy tokens equal to the single-process offline engine's; SIGTERM to the driver drains it and
 stops the worker in the other namespace; both torchruns exit 0. The namespaces are deleted after.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,11 +19,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ...netns import ADDRS, two_nodes
 from ..server_fixtures import PROMPTS, offline
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
-ADDRS = ("198.18.0.1", "198.18.0.2")
 MASTER_PORT, GRPC_PORT = 29500, 8001  # each namespace has its own ports: nothing else listens there
 CLIENT = """
 import json, sys, time
@@ -44,35 +43,11 @@ print(json.dumps(out))
 """
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def namespaces():
-    """Two namespaces, each with lo up and one end of a veth pair; (namespace, interface) pairs."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed: two network namespaces stand in for two nodes")
-    if os.geteuid() != 0:
-        pytest.skip("creating network namespaces needs root")
-    tag = f"{os.getpid()}"
-    nodes = [(f"baton{tag}n{i}", f"bv{tag}n{i}") for i in range(2)]
-    try:
-        ip("netns", "add", nodes[0][0])
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"cannot create a network namespace here: {e.stderr.strip()}")
-    try:
-        ip("netns", "add", nodes[1][0])
-        ip("link", "add", nodes[0][1], "type", "veth", "peer", "name", nodes[1][1])
-        for (ns, dev), addr in zip(nodes, ADDRS):
-            ip("link", "set", dev, "netns", ns)
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
+    """The two nodes (tests/netns.py), created for the test and deleted after it."""
+    with two_nodes() as nodes:
         yield nodes
-    finally:
-        for ns, _ in nodes:  # deleting a namespace deletes its end of the pair, and so the pair
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
 
 def in_namespace(ns: str, *args: str, env: dict[str, str]) -> dict:
@@ -92,18 +67,16 @@ def test_two_nodes_serve_one_sharded_model(llama_dir, tmp_path, namespaces, end)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     logs, procs = [tmp_path / f"node{k}.log" for k in range(2)], []
     try:
-        for k, (ns, dev) in enumerate(namespaces):
-            cmd = [
-                *("ip", "netns", "exec", ns, "unshare", "--uts"),  # its own host name too, like a node
-                *("sh", "-c", f'hostname baton-node{k} && exec "$@"', "sh"),
+        for k, node in enumerate(namespaces):
+            cmd = node.command(  # in its namespace, under its own host name, like a node
                 *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"),
                 *("--node-rank", str(k), "--master-addr", ADDRS[0], "--master-port", str(MASTER_PORT)),
                 *("-m", "baton.common.cli", "serve", "--model", str(llama_dir), "-tp", "2"),
                 *("--host", ADDRS[0], "--port", str(GRPC_PORT), "--metrics-port", "-1"),
                 *("--num-kv-blocks", "64", "--block-size", "8", "--heartbeat-s", "0.5"),
-            ]
+            )
             out = open(logs[k], "w")
-            node_env = {**env, "GLOO_SOCKET_IFNAME": dev}  # gloo's interface: the veth, not the host's
+            node_env = {**env, "GLOO_SOCKET_IFNAME": node.dev}  # gloo's interface: the veth, not the host's
             procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=node_env))
         deadline = time.monotonic() + 180
         while "ready: model=" not in logs[0].read_text():
@@ -115,7 +88,7 @@ def test_two_nodes_serve_one_sharded_model(llama_dir, tmp_path, namespaces, end)
         # Other host names: the tensor-parallel all-reduces cross the veth, not /dev/shm.
         assert "TP collectives ['gloo/nccl', 'gloo/nccl']" in text, text
 
-        answer = in_namespace(namespaces[0][0], "generate", json.dumps(PROMPTS[:3]), str(MAX_TOKENS), env=env)
+        answer = in_namespace(namespaces[0].netns, "generate", json.dumps(PROMPTS[:3]), str(MAX_TOKENS), env=env)
         assert answer["health"] == "SERVING" and answer["tokens"] == reference, (answer, reference)
         (driver,), (worker,) = (psutil.Process(p.pid).children() for p in procs)  # torchrun's children
         if end == "sigterm":  # the driver drains and tells the worker in the other namespace to stop
@@ -128,7 +101,7 @@ def test_two_nodes_serve_one_sharded_model(llama_dir, tmp_path, namespaces, end)
         else:
             killed = time.time()
             worker.kill()
-            seen = in_namespace(namespaces[0][0], "wait", env=env)
+            seen = in_namespace(namespaces[0].netns, "wait", env=env)
             assert seen["health"] == "NOT_SERVING" and "a worker rank" in seen["reason"], seen
             assert seen["at"] - killed < 10, seen
             assert procs[1].wait(timeout=60) != 0  # that node's torchrun reports its worker's death

@@ -1,8 +1,9 @@
 """Two nodes for real: two network namespaces joined by a veth pair (tests/netns.py: 198.18.0.1
-and 198.18.0.2, a benchmarking range no traffic leaves), one torchrun in each (--nnodes 2, one rank per node), each
-running `baton serve -tp 2`. Rank 0 serves gRPC on 198.18.0.1; a client inside that namespace gets
-greedy tokens equal to the single-process offline engine's; SIGTERM to the driver drains it and
-stops the worker in the other namespace; both torchruns exit 0. The namespaces are deleted after.
+and 198.18.0.2, a benchmarking range no traffic leaves), one torchrun in each (--nnodes 2, one
+rank per node), each running `baton serve -tp 2`. Rank 0 serves gRPC on 198.18.0.1; a client
+inside that namespace gets greedy tokens equal to the single-process offline engine's; SIGTERM to
+the driver drains it and stops the worker in the other namespace; both torchruns exit 0. The
+namespaces are deleted after.
 
 Needs root and iproute2 (`ip netns`); skipped, saying so, where namespaces cannot be made."""
 

@@ -8,7 +8,8 @@
 # On CPU the deepspeed launcher starts one rank unless told the slot count: on one node this sets
 # LOCAL_SIZE=N (what DeepSpeed's CPU accelerator reports as its device count); N defaults to the
 # number of GPUs, or 1 on CPU. A multi-node HOSTS file lists `hostname slots=N` per node, and
-# DeepSpeed reaches the nodes with pdsh/ssh.
+# DeepSpeed reaches the nodes with pdsh/ssh (under SLURM, launchers/deepspeed.sbatch needs neither:
+# srun starts the ranks).
 # On CPU, Baton uses gloo; OMP_NUM_THREADS defaults to cores / N.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -5,9 +5,10 @@ the same recipe (fp32, 1e-5 relative).
 - torchrun on each node, --nnodes 2, c10d rendezvous at the first node's host name, a
   tensor-parallel job (torch3d tp=2: every layer's all-reduce crosses the veth);
 - SLURM: slurmctld and a slurmd on the first node, a slurmd on the second
-  (launchers/slurm/local_cluster.sh two-node), `sbatch --nodes 2 launchers/train.sbatch` (DDP:
+  (launchers/slurm/local_cluster.sh with CLUSTER_NODES), `sbatch --nodes 2 launchers/train.sbatch` (DDP:
   one torchrun per node, the rendezvous from SLURM's variables) and `launchers/deepspeed.sbatch`
-  (ZeRO-2: srun starts the ranks, no pdsh or ssh).
+  (ZeRO-2: srun starts the ranks, no pdsh or ssh). Under SLURM gloo finds the veth by the host
+  name alone (no GLOO_SOCKET_IFNAME), as on a cluster whose node names resolve.
 
 Skipped, saying why, where namespaces cannot be made (no root, no iproute2) or SLURM is absent."""
 
@@ -128,7 +129,10 @@ def test_sbatch_two_nodes(nodes, cluster, recipe, single, tmp_path, script, over
     where = ("ip", "netns", "exec", nodes[0].netns)
     args = ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", f"--output={log}", str(LAUNCHERS / script)]
     job = submit(cluster, [*args, *train_args(recipe, out, overrides)[1:]], where, BATON_DIR=str(ROOT))
-    state = wait_for(cluster, job, DONE, timeout=420, where=where)
+    try:
+        state = wait_for(cluster, job, DONE, timeout=420, where=where)
+    finally:  # a job left running would outlive the cluster's daemons
+        subprocess.run([*where, "scancel", job], env=cluster, capture_output=True, timeout=30)
     text = log.read_text()
     assert state == "COMPLETED", text[-5000:]
     assert "on 2 node(s) x 1 rank(s)" in text, text[-3000:]

@@ -19,6 +19,8 @@ import torch
 from tqdm.auto import tqdm
 
 from baton.common.data import build_datasets, read_texts, torch_loader
+from baton.common.checkpoint import CheckpointError, verify_hashes
+from baton.common.config import ConfigError
 from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
@@ -27,8 +29,10 @@ from baton.train.batches import GlobalBatches, micro_batches
 from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist, init_distributed, read_launch
-from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
+from baton.train.backends import COMPUTE_DTYPES
+from baton.train.metrics import MetricsLogger, flops_per_token, peak_flops, plot_losses
 from baton.train.moe import router_metrics
+from baton.train.pretrained import PretrainedWeights, pretrained_model
 from baton.train.recompute import apply_recompute
 from baton.train.schedule import lr_at
 
@@ -55,12 +59,15 @@ class TrainResult:
 
 
 def prepare_tokenizer(cfg: TrainConfig, dist: Dist, resume: Path | None) -> Tokenizer:
-    """The checkpoint's tokenizer on resume, else the configured one, else one trained on the
-    training text by rank 0 (cached in out_dir) while the other ranks wait."""
+    """The checkpoint's tokenizer on resume, else the configured one, else init_from's (a model
+    is fine-tuned with the tokenizer it was trained with), else one trained on the training text by
+    rank 0 (cached in out_dir) while the other ranks wait."""
     if resume is not None:
         return Tokenizer.from_dir(resume / "tokenizer")
     if cfg.tokenizer.path:
         return Tokenizer.from_dir(cfg.tokenizer.path)
+    if cfg.init_from:
+        return Tokenizer.from_dir(cfg.init_from)
     cached = Path(cfg.out_dir) / "tokenizer"
     if dist.is_main and not (cached / "tokenizer.json").is_file():
         texts = read_texts(cfg.data)
@@ -89,6 +96,11 @@ def _check(cfg: TrainConfig, rank: int, world_size: int) -> Checkpointer:
     """Every check of the recipe against the world size, the machine and the checkpoint it resumes;
     the checkpointer that holds that checkpoint."""
     cfg.validate(cfg.data_parallel_size(world_size))
+    if cfg.init_from and rank == 0:
+        try:
+            verify_hashes(cfg.init_from)  # a handoff's sha256s (baton.json); an HF directory has none
+        except CheckpointError as e:
+            raise ConfigError(f"init_from: {e}") from e
     if cfg.backend == "deepspeed":
         from baton.train.backends.deepspeed import check_environment
 
@@ -120,6 +132,12 @@ class Trainer:
             tok.vocab_size, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id
         )
         ckpt.bind(dist, tok, model_cfg)
+        weights = None  # init_from's weights, for a fresh run (a resumed one continues from its checkpoint)
+        if cfg.init_from and ckpt.resume is None:
+            try:  # every tensor the model needs is there, of the config's shape
+                weights = PretrainedWeights(cfg.init_from, model_cfg)
+            except CheckpointError as e:
+                raise ConfigError(f"init_from: {e}") from e
         if not dist.is_main:
             dist.barrier()  # rank 0 tokenizes and caches first; the others then read its cache
         train_ds, self.val_ds = build_datasets(cfg.data, tok)
@@ -129,9 +147,14 @@ class Trainer:
         self.tokens_per_step = self.global_batch * seq
         self.batches = GlobalBatches(train_ds, self.global_batch, cfg.seed)  # raises if the data is too small
         begin_work()  # the checks are over: from here on, a ValueError is a bug, shown with its traceback
-        model = build_model(model_cfg, seed=cfg.seed)
-        attn = apply_recompute(model, cfg.recompute)
-        self.backend = build_backend(cfg, model, attn, dist)
+        if weights is not None:
+            model = pretrained_model(cfg, model_cfg, dist, weights)
+            if dist.is_main:
+                log.info("fine-tuning %s: weights and tokenizer from it, fresh optimizer and data", cfg.init_from)
+        else:
+            model = build_model(model_cfg, seed=cfg.seed)
+        attn = apply_recompute(model, cfg.recompute, cfg.attention)
+        self.backend = build_backend(cfg, model, attn, dist, pretrained=weights)
         if dist.is_main:
             log.info(
                 "model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, %s precision "
@@ -153,10 +176,12 @@ class Trainer:
 
         # ---- logs
         self.metrics = MetricsLogger(self.out_dir, dist.is_main, self.state.step, cfg.logging.tensorboard)
-        device = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
         self.peak = None
         if cfg.logging.mfu:  # every rank at once: ranks sharing cores measure the share they get
-            self.peak = dist.all_reduce_sum(torch.tensor([measure_matmul_peak(device)], device=device)).item()
+            peak, source = peak_flops(dist.device, COMPUTE_DTYPES[cfg.precision])
+            self.peak = dist.all_reduce_sum(torch.tensor([peak], dtype=torch.float64, device=dist.device)).item()
+            if dist.is_main:
+                log.info("MFU against %.1f TFLOP/s (%s, %s, summed over %d ranks)", self.peak / 1e12, source, cfg.precision, dist.world_size)
         self.flops_per_token = flops_per_token(model_cfg, seq)
         self.bar = tqdm(
             total=cfg.max_steps,

@@ -93,8 +93,9 @@ class Backend(Protocol):
 def param_groups(model: CausalLM, weight_decay: float) -> tuple[list[dict[str, Any]], list[list[str]]]:
     """AdamW groups, and their parameter names: weight decay on matrices only (not norms,
     biases), as nanoGPT and Megatron. ZeRO flattens each group into one buffer."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    split = [[(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named if p.dim() < 2]]
+    named = [(n, len(getattr(p, "ds_shape", p.shape)), p) for n, p in model.named_parameters() if p.requires_grad]
+    # (a ZeRO-3 parameter made under zero.Init is an empty placeholder: its shape is ds_shape)
+    split = [[(n, p) for n, d, p in named if d >= 2], [(n, p) for n, d, p in named if d < 2]]
     groups = [{"params": [p for _, p in g], "weight_decay": wd} for g, wd in zip(split, (weight_decay, 0.0))]
     return groups, [[n for n, _ in g] for g in split]
 
@@ -110,7 +111,11 @@ def step_loss(dist: Dist, loss_sum: torch.Tensor, micro_batches: int) -> float:
     return dist.all_reduce_sum(loss_sum.reshape(1)).item() / (micro_batches * dist.world_size)
 
 
-def build_backend(cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist) -> Backend:
+def build_backend(
+    cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist, pretrained: Any = None
+) -> Backend:
+    """`pretrained` (init_from): the PretrainedWeights `model` starts from (baton.train.pretrained);
+    torch3d fills its meta-built shards from them, DeepSpeed its float32 master weights."""
     # MoE models: the router losses join the backward of every backend, scaled like its loss.
     attach_router_losses(
         model, cfg.moe.aux_loss_coef, cfg.moe.z_loss_coef, cfg.accum_steps(cfg.data_parallel_size(dist.world_size))
@@ -118,11 +123,11 @@ def build_backend(cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dis
     if cfg.backend == "deepspeed":
         from baton.train.backends.deepspeed import DeepSpeedBackend
 
-        return DeepSpeedBackend(cfg, model, attn, dist)
+        return DeepSpeedBackend(cfg, model, attn, dist, pretrained)
     if cfg.backend == "torch3d":
         from baton.train.backends.torch3d import Torch3DBackend
 
-        return Torch3DBackend(cfg, model, attn, dist)
+        return Torch3DBackend(cfg, model, attn, dist, pretrained=pretrained)
     from baton.train.backends.ddp import DDPBackend
 
     return DDPBackend(cfg, model, attn, dist)

@@ -27,16 +27,18 @@ import logging
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from baton.common.config import ConfigError
+from baton.common.config import ConfigError, ModelConfig
 from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
+from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.deepspeed_config import ds_config
 from baton.train.distributed import Dist
@@ -121,20 +123,54 @@ def prepare_ops(cfg: TrainConfig) -> None:
             b.load(verbose=False)
 
 
+def _init_deepspeed(cfg: TrainConfig) -> None:
+    """The ops this run needs, and DeepSpeed's communication (both idempotent)."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    prepare_ops(cfg)
+    if not cfg.deepspeed.shm_comm:
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # checked before building it
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+@torch.no_grad()
+def zero3_model(cfg: TrainConfig, model_cfg: ModelConfig, dist: Dist, weights: Mapping[str, torch.Tensor]) -> CausalLM:
+    """A ZeRO-3 model holding `weights` that no rank ever holds whole: built under zero.Init (each
+    module is partitioned as soon as it is made, in the compute dtype, on the offload device the
+    config says), then each parameter gathered in turn, filled by rank 0 from the file and
+    re-partitioned on leaving the context. At most one whole tensor is alive per rank at a time."""
+    import deepspeed
+
+    _init_deepspeed(cfg)
+    with deepspeed.zero.Init(config_dict_or_path=ds_config(cfg, dist.world_size)):
+        model = CausalLM(model_cfg)
+    for name, p in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if dist.is_main:
+                p.data.copy_(weights[name])
+    return model
+
+
 class DeepSpeedBackend:
-    def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: CausalLM,
+        attn: AttentionBackend,
+        dist: Dist,
+        pretrained: Mapping[str, torch.Tensor] | None = None,
+    ):
+        """`pretrained`: the float32 weights `model` was loaded from (init_from), read again for the
+        float32 master weights under bf16/fp16, where the module holds them rounded."""
         import deepspeed
 
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
         d = cfg.deepspeed
         self.module, self.attn, self.dist, self.stage = model, attn, dist, d.stage
         self.nvme = d.offload_optimizer == "nvme"
         self.precision = cfg.precision
         self.layout = Layout("deepspeed", dist.world_size, d.stage, d.offload_optimizer, d.offload_param, cfg.precision)
-        prepare_ops(cfg)
-        if not d.shm_comm:
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # checked before building it
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        _init_deepspeed(cfg)
         groups, self.group_names = param_groups(model, cfg.optim.weight_decay)
         o = cfg.optim
         kw = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
@@ -144,7 +180,13 @@ class DeepSpeedBackend:
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         else:
             optimizer = (_SkipNonFiniteAdamW if d.stage == 0 else torch.optim.AdamW)(groups, **kw)
-        initial = {n: p.detach().clone() for n, p in model.named_parameters()} if cfg.precision != "fp32" else None
+        if cfg.compile:  # each layer's forward, before DeepSpeed wraps the model (ZeRO-3 refused by the recipe check)
+            compile_layers(model)
+        initial = None
+        if cfg.precision != "fp32":
+            initial = (
+                pretrained if pretrained is not None else {n: p.detach().clone() for n, p in model.named_parameters()}
+            )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=ds_config(cfg, dist.world_size), dist_init_required=False
         )

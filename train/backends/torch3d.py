@@ -33,14 +33,31 @@ LAYOUT_FILE = "parallel_layout.json"
 
 class Torch3DBackend:
     def __init__(
-        self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist, par: ParallelConfig | None = None
+        self,
+        cfg: TrainConfig,
+        model: CausalLM,
+        attn: AttentionBackend,
+        dist: Dist,
+        par: ParallelConfig | None = None,
+        pretrained: Any = None,
     ):
+        """`pretrained` (init_from): `model` is meta-built and each rank's shards are filled from
+        these PretrainedWeights once laid out (baton.train.pretrained)."""
         par = par if par is not None else cfg.parallel
         accum = cfg.accum_steps(data_parallel_size(par, dist.world_size))  # the pipeline's micro-batches
         self.layout3d = check_layout(par, model.config, dist.world_size, accum, cfg.data.seq_len)
         self.module, self.dist, self.grad_clip = model, dist, cfg.optim.grad_clip
         self.layout = Layout("torch3d", dist.world_size, precision=cfg.precision)
-        self.engine = Parallel3D(model, build_mesh(self.layout3d), accum, cfg.optim, attn=attn, precision=cfg.precision)
+        self.engine = Parallel3D(
+            model,
+            build_mesh(self.layout3d),
+            accum,
+            cfg.optim,
+            attn=attn,
+            precision=cfg.precision,
+            compile="inductor" if cfg.compile else None,
+            materialize=pretrained.materialize if pretrained is not None else None,
+        )
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         loss_sum = self.engine.forward_backward(micro_batches) * len(micro_batches)  # the replica's mean, summed

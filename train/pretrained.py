@@ -1,0 +1,198 @@
+"""Fine-tuning (`init_from: PATH`): start a run from an HF checkpoint directory or a Baton handoff.
+
+The model config is the checkpoint's (a recipe's model section may only repeat it), in float32:
+those are the optimizer's master weights whatever dtype the files hold, and `precision` decides
+what the steps compute in. Optimizer and data start fresh (step 0, new AdamW state).
+
+No rank ever holds the whole model where the backend shards it:
+- torch3d (FSDP2 / tensor / pipeline parallel): the model is built on the meta device, cut and
+  sharded as usual, then `materialize` allocates each rank's local shards (to_empty on the rank's
+  device) and fills every DTensor shard with just its slice of the file (safetensors get_slice, at
+  the offset torch computes from the placements: FSDP2's Shard(0), TP column/row-wise, the vocab-
+  parallel embedding and head); parameters that are not DTensors are read whole.
+- DeepSpeed ZeRO-3: built under deepspeed.zero.Init (each module partitioned as it is made), then
+  filled one parameter at a time (baton.train.backends.deepspeed.zero3_model).
+- plain PyTorch / DDP and ZeRO-0/1/2 hold the whole model on every rank anyway: it is loaded whole,
+  tensor by tensor, into a meta-built model (no random initialisation first).
+RoPE's inverse frequencies are a plain float32 CPU attribute computed in the constructor, so meta
+construction leaves them right; the model has no buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from baton.common.checkpoint import CheckpointError, expected_shapes, weight_files
+from baton.common.config import ConfigError, ModelConfig
+from baton.common.hf import config_from_hf
+from baton.common.model import CausalLM
+from baton.common.weight_slices import WeightSlices
+
+if TYPE_CHECKING:
+    from baton.train.config import TrainConfig
+    from baton.train.distributed import Dist
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_config(init_from: str | Path, model_section: dict[str, Any]) -> ModelConfig:
+    """The float32 model config of the checkpoint at `init_from`; ConfigError if it is not a float
+    checkpoint Baton reads, or if the recipe's model section says anything else than it does."""
+    d = Path(init_from)
+    if not (d / "config.json").is_file():
+        raise ConfigError(f"init_from {d} is not a checkpoint directory (no config.json)")
+    try:
+        raw = json.loads((d / "config.json").read_text())
+        weight_files(d)
+    except (json.JSONDecodeError, CheckpointError) as e:
+        raise ConfigError(f"init_from {d}: {e}") from e
+    if raw.get("quantization_config"):
+        raise ConfigError(f"init_from {d} is a quantized checkpoint; fine-tune the float checkpoint it came from")
+    cfg = dataclasses.replace(config_from_hf(raw), torch_dtype="float32")
+    if "preset" in model_section:
+        raise ConfigError("init_from takes the model from the checkpoint: drop model.preset")
+    have = cfg.to_dict()
+    unknown = sorted(set(model_section) - set(have))
+    if unknown:
+        raise ConfigError(f"unknown model config key(s): {', '.join(unknown)}")
+    differ = {k: (v, have[k]) for k, v in model_section.items() if have[k] != v}
+    if differ:
+        said = ", ".join(f"model.{k}={v!r} (checkpoint: {c!r})" for k, (v, c) in sorted(differ.items()))
+        raise ConfigError(f"init_from {d}: the recipe's model section contradicts the checkpoint: {said}; drop it")
+    return cfg
+
+
+def with_tokenizer(cfg: ModelConfig, init_from: str, vocab_size: int, token_ids: dict[str, Any]) -> ModelConfig:
+    """`cfg` with the tokenizer's special token ids (what the data pipeline uses), once the
+    tokenizer is known to fit the checkpoint's embedding."""
+    if vocab_size > cfg.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens but init_from {init_from}'s embedding only "
+            f"{cfg.vocab_size}: use the checkpoint's own tokenizer"
+        )
+    changed = {k: v for k, v in token_ids.items() if getattr(cfg, k) != v}
+    if changed:
+        log.info("init_from: special token ids from the tokenizer: %s", changed)
+    return dataclasses.replace(cfg, **changed)
+
+
+class PretrainedWeights(Mapping[str, torch.Tensor]):
+    """A checkpoint's weights by training parameter name (a tied LM head is the embedding), read
+    from its files on access, whole or one rank's slice, in float32. Made during the checks: a
+    missing tensor or a shape that does not fit the config is a CheckpointError before any work."""
+
+    def __init__(self, directory: str | Path, config: ModelConfig):
+        self.directory, self.config = Path(directory), config
+        self.slices = WeightSlices(directory)
+        self.shapes = {name: shape for name, (shape, _) in expected_shapes(config).items()}
+        for name, shape in self.shapes.items():
+            source = self._source(name)
+            if source not in self.slices:
+                hint = (
+                    " (fused Mixtral experts: run `baton convert --from-hf` first)"
+                    if any(".experts.gate_up_proj" in k for k in self.slices.files)
+                    else ""
+                )
+                raise CheckpointError(f"{directory} has no tensor {name!r}{hint}")
+            if self.slices.shape(source) != tuple(shape):
+                raise CheckpointError(
+                    f"{directory}: tensor {source!r} is {self.slices.shape(source)}, the config says {tuple(shape)}"
+                )
+
+    def _source(self, name: str) -> str:
+        if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            return "model.embed_tokens.weight"
+        return name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.slices.read(self._source(name)).float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def part(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The block of tensor `name` of `shape` starting at `offset`, read alone from the file."""
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        return self.slices.read(self._source(name), index).float()
+
+    def full_model(self) -> CausalLM:
+        """The whole model on the CPU in float32, each tensor read straight into place."""
+        with torch.device("meta"):
+            model = CausalLM(self.config)
+        model.load_state_dict({n: self[n] for n in self}, strict=False, assign=True)
+        if self.config.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        _check_loaded(model)
+        return model
+
+    @torch.no_grad()
+    def materialize(self, modules: list[nn.Module], device: torch.device) -> None:
+        """Allocate the meta-built (already parallelized) `modules` on `device` and fill them: a
+        DTensor's local shard from its slice of the file, any other parameter whole. Call it after
+        sharding and before an optimizer or DDP wrapper takes the parameters (to_empty replaces
+        plain parameters; DTensor parameters are swapped in place, FSDP2 picks them up lazily)."""
+        for module in modules:
+            ties = _tied_names(module)
+            module.to_empty(device=device)
+            for name, source in ties:  # to_empty gives each plain parameter of a tie its own tensor
+                if module.get_parameter(name) is not module.get_parameter(source):
+                    parent, _, leaf = name.rpartition(".")
+                    setattr(module.get_submodule(parent), leaf, module.get_parameter(source))
+            for name, p in module.named_parameters():
+                if isinstance(p, DTensor):
+                    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                    local = p.to_local()
+                    if tuple(local.shape) != tuple(shape):
+                        raise RuntimeError(f"{name}: local shard {tuple(local.shape)}, placements say {tuple(shape)}")
+                    if local.numel():
+                        local.copy_(self.part(name, tuple(offset), tuple(shape)))
+                else:
+                    p.copy_(self[name])
+            _check_loaded(module)
+
+
+def _tied_names(module: nn.Module) -> list[tuple[str, str]]:
+    """(name, name of the first parameter it is tied to) for every repeated parameter."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            ties.append((name, first[id(p)]))
+        else:
+            first[id(p)] = name
+    return ties
+
+
+def _check_loaded(module: nn.Module) -> None:
+    left = [n for n, p in module.named_parameters() if p.is_meta]
+    if left:
+        raise RuntimeError(f"init_from left parameters on the meta device: {', '.join(left[:5])}")
+    for m in module.modules():  # RoPE's frequencies: a plain attribute, computed on the CPU even under meta
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor) and m.inv_freq.is_meta:
+            raise RuntimeError("RoPE inv_freq was left on the meta device")
+
+
+def pretrained_model(cfg: TrainConfig, model_cfg: ModelConfig, dist: Dist, weights: PretrainedWeights) -> CausalLM:
+    """The model for backend `cfg.backend` to start from `weights`: meta-built for torch3d (its
+    backend materialises the shards), ZeRO-3 partitioned from birth, else whole."""
+    if cfg.backend == "torch3d":
+        with torch.device("meta"):
+            return CausalLM(model_cfg)
+    if cfg.backend == "deepspeed" and cfg.deepspeed.stage == 3:
+        from baton.train.backends.deepspeed import zero3_model
+
+        return zero3_model(cfg, model_cfg, dist, weights)
+    return weights.full_model()

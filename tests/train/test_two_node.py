@@ -105,6 +105,8 @@ def cluster(nodes, tmp_path_factory):
             "slurmctld/slurmd/munged/sbatch not installed: CI installs them with apt-get install -y "
             "--no-install-recommends slurmctld slurmd slurm-client munge"
         )
+    if shutil.which("nsenter") is None:  # launchers/slurm/in_node.sh enters each node's namespace with it
+        pytest.skip("util-linux's nsenter is needed to start a slurmd inside each node's network namespace")
     state = tmp_path_factory.mktemp("slurm2")
     env = clean_env(CLUSTER_NODES=" ".join(f"{n.hostname}={n.addr}@{n.netns}" for n in nodes))
     script = str(LAUNCHERS / "slurm" / "local_cluster.sh")

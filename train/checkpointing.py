@@ -97,7 +97,7 @@ def check_resumable(state: dict[str, Any], path: Path, cfg: TrainConfig, world_s
         raise ConfigError(
             f"cannot resume {path}: it was written by backend {state['layout']['backend']!r}; backend "
             "torch3d resumes only its own (DCP) checkpoints, at any layout. Resume it with its own "
-            "backend, or start from its exported weights"
+            "backend, or start a new run from its weights: `baton export` it and set init_from to the export"
         )
     if state["step"] > cfg.max_steps:
         raise ConfigError(f"cannot resume {path} (step {state['step']}) with max_steps={cfg.max_steps}")

@@ -76,8 +76,8 @@ class Torch3DBackend:
         if saved.backend != "torch3d":
             raise ConfigError(
                 f"{directory} was written by backend {saved.backend!r}; backend torch3d resumes only "
-                "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start "
-                "from its exported weights"
+                "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start a "
+                "new run from its weights: `baton export` it and set init_from to the export"
             )
         checkpoint.load(self.engine, directory / DCP_DIR)
 

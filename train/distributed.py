@@ -21,7 +21,17 @@ import torch.distributed as dist
 from baton.common.errors import UserError
 from baton.common.launch import LAUNCHER_VARS, env_int, free_port, read_launch
 
-__all__ = ["Dist", "free_port", "init_distributed", "read_launch"]
+__all__ = ["Dist", "free_port", "init_distributed", "rank_device", "read_launch"]
+
+
+def rank_device(local_rank: int = 0) -> torch.device:
+    """The device a rank computes on: cuda:LOCAL_RANK where CUDA is available, else the CPU."""
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA ranks, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
 
 
 @dataclass
@@ -33,6 +43,10 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return rank_device(self.local_rank)
 
     @property
     def active(self) -> bool:
@@ -70,6 +84,7 @@ def init_distributed(need_group: bool = False) -> Dist:
     if world == 1 and not need_group:
         return Dist()
     if dist.is_initialized():  # a caller (a test, a notebook) already set one up
+        _use_device(rank_device(launch.local_rank))
         return Dist(dist.get_rank(), dist.get_world_size(), launch.local_rank)
     os.environ.update(launch.env)  # srun's ranks as launcher variables: DeepSpeed and torch read those
     if world == 1:
@@ -88,14 +103,19 @@ def init_distributed(need_group: bool = False) -> Dist:
             "or launchers/deepspeed.sh"
         )
     rank, local_rank = env_int(os.environ, "RANK"), env_int(os.environ, "LOCAL_RANK")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=30))
+    device = rank_device(local_rank)
+    _use_device(device)
+    dist.init_process_group(process_group_backend(device), rank=rank, world_size=world, timeout=timedelta(minutes=30))
     # Destroyed at exit, not after train(): DeepSpeed keeps a handle on the group for the life of
     # the process, so a second train() in the same process must find the same group.
     atexit.register(_destroy)
     return Dist(rank, world, local_rank)
+
+
+def _use_device(device: torch.device) -> None:
+    """Make `device` current, so library code that asks for "the" CUDA device gets this rank's."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _destroy() -> None:

@@ -1,8 +1,11 @@
 """What a run reports: JSONL + CSV logs, TensorBoard events, a loss plot, and MFU.
 
-MFU is model FLOPs per second over the machine's measured matmul peak (not a datasheet number):
-every rank times a float32 matmul at the same moment, so ranks that share cores measure the share
-they actually get, and the peaks are summed.
+MFU is model FLOPs per second (PaLM's count; active parameters only for MoE) over the peak of the
+devices in the training dtype, summed over the ranks. On a GPU the peak is the datasheet's dense
+(no 2:4 sparsity) tensor-core rate for that dtype, looked up by device name (PEAKS); fp32 training
+uses the fp32 rate, as torch's default keeps fp32 matmuls off TF32. A GPU missing from the table,
+and every CPU, gets a measured peak instead: a large matmul in the training dtype, timed by every
+rank at the same moment, so ranks that share cores measure the share they actually get.
 """
 
 from __future__ import annotations
@@ -23,17 +26,66 @@ log = logging.getLogger(__name__)
 CSV_FIELDS = ("step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "skipped", "elapsed_s")
 
 
+# Dense tensor-core TFLOP/s by (device-name substring, dtype), the datasheets' numbers without 2:4
+# sparsity; the first matching row wins, so more specific names come first.
+PEAKS: tuple[tuple[str, dict[torch.dtype, float]], ...] = (
+    ("H200", {torch.bfloat16: 989.5, torch.float16: 989.5, torch.float32: 67.0}),
+    ("H100 PCIe", {torch.bfloat16: 756.0, torch.float16: 756.0, torch.float32: 51.0}),
+    ("H100 NVL", {torch.bfloat16: 835.0, torch.float16: 835.0, torch.float32: 60.0}),
+    ("H100", {torch.bfloat16: 989.5, torch.float16: 989.5, torch.float32: 67.0}),  # SXM
+    ("H800", {torch.bfloat16: 989.5, torch.float16: 989.5, torch.float32: 67.0}),
+    ("GH200", {torch.bfloat16: 989.5, torch.float16: 989.5, torch.float32: 67.0}),
+    ("B200", {torch.bfloat16: 2250.0, torch.float16: 2250.0, torch.float32: 80.0}),
+    ("A100", {torch.bfloat16: 312.0, torch.float16: 312.0, torch.float32: 19.5}),
+    ("A800", {torch.bfloat16: 312.0, torch.float16: 312.0, torch.float32: 19.5}),
+    ("L40S", {torch.bfloat16: 362.05, torch.float16: 362.05, torch.float32: 91.6}),
+    ("L40", {torch.bfloat16: 181.05, torch.float16: 181.05, torch.float32: 90.5}),
+    ("L4", {torch.bfloat16: 121.0, torch.float16: 121.0, torch.float32: 30.3}),
+    ("RTX 4090", {torch.bfloat16: 165.2, torch.float16: 165.2, torch.float32: 82.6}),
+    ("V100", {torch.float16: 125.0, torch.float32: 15.7}),
+)
+
+
+def table_peak(device_name: str, dtype: torch.dtype) -> float | None:
+    """FLOP/s of a device by name from PEAKS, or None where the table has no row (or no such dtype)."""
+    for key, rates in PEAKS:
+        if key.lower() in device_name.lower():
+            tflops = rates.get(dtype)
+            return None if tflops is None else tflops * 1e12
+    return None
+
+
+def active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token runs through: a MoE layer's top-k experts, not all of them."""
+    unused = cfg.num_local_experts - cfg.num_experts_per_tok if cfg.num_local_experts else 0
+    return cfg.num_parameters() - cfg.num_hidden_layers * unused * 3 * cfg.hidden_size * cfg.intermediate_size
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (PaLM appendix B): 6 x matmul parameters + 12 x layers x
-    attention width x sequence length. The embedding lookup is not a matmul; the LM head is."""
-    matmul_params = cfg.num_parameters() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    attention width x sequence length. The embedding lookup is not a matmul; the LM head is; a
+    MoE layer counts its router and top-k experts (what a token runs through)."""
+    matmul_params = active_parameters(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6.0 * matmul_params + attn
 
 
-def measure_matmul_peak(device: torch.device | str = "cpu", n: int = 512, seconds: float = 0.5) -> float:
-    """FLOP/s of this process on an n x n float32 matmul on `device` (the best of a few bursts)."""
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+def peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """This device's peak FLOP/s in `dtype` and where it came from ("table: <name>" or "measured")."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = table_peak(name, dtype)
+        if peak is not None:
+            return peak, f"table: {name}"
+        return measure_matmul_peak(device, dtype, n=8192), f"measured: {name}"
+    return measure_matmul_peak(device, dtype), "measured"
+
+
+def measure_matmul_peak(
+    device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5
+) -> float:
+    """FLOP/s of this process on an n x n matmul in `dtype` on `device` (the best of a few bursts)."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(3):
         a @ b

@@ -5,13 +5,22 @@
   FLOPs to recompute (Korthikanti et al. 2022). Done by wrapping the attention backend.
 - full: checkpoint whole decoder layers (every N-th one), keeping only each layer's input.
 
-Both use non-reentrant torch.utils.checkpoint, so gradients are the same as without recomputation
+Selective recomputation exists for the s x s scores and softmax of an unfused core (`attention:
+eager`). A fused core (sdpa, triton) never materialises them: checkpointing it would free only its
+output copy and cost a second flash forward. So with a fused core, selective mode says so at
+start-up and recomputes the other cheap, memory-heavy pieces Megatron-Core's selective mode can
+target instead (its `layernorm` and activation modules): the two RMSNorms of every layer and the
+SwiGLU activation of every MLP and expert - elementwise work whose intermediates (x·rstd,
+silu(gate): [b, s, h] and [b, s, intermediate] per layer) are freed and recomputed for a few FLOPs.
+
+All use non-reentrant torch.utils.checkpoint, so gradients are the same as without recomputation
 and parameter names (hence checkpoints) do not change.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -20,8 +29,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
+from baton.common.model import MLP, AttentionBackend, CausalLM, Expert, RMSNorm
+from baton.kernels import swiglu
+from baton.train.attention import FUSED, attention_core
 from baton.train.config import RecomputeConfig
+
+log = logging.getLogger(__name__)
 
 
 class SelectiveRecompute:
@@ -34,16 +47,63 @@ class SelectiveRecompute:
         return checkpoint(self.inner, q, k, v, layer, use_reentrant=False)
 
 
-def apply_recompute(model: CausalLM, cfg: RecomputeConfig) -> AttentionBackend:
-    """Set up recomputation on `model` in place; return the attention backend to train with."""
-    attn = DenseCausalAttention()
+def _checkpointed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return functools.partial(checkpoint, fn, use_reentrant=False)
+
+
+class _RecomputedNorm(RMSNorm):
+    """RMSNorm whose intermediates are recomputed in the backward pass."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return checkpoint(super().forward, x, residual, use_reentrant=False)
+
+
+class _RecomputedMLP(MLP):
+    """MLP.forward with the activation checkpointed (silu(gate) is not kept for the backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(checkpoint(swiglu, self.gate_proj(x), self.up_proj(x), use_reentrant=False))
+
+
+class _RecomputedExpert(Expert):
+    """Expert.forward with the activation checkpointed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(checkpoint(swiglu, self.w1(x), self.w3(x), use_reentrant=False))
+
+
+RECOMPUTED = {RMSNorm: _RecomputedNorm, MLP: _RecomputedMLP, Expert: _RecomputedExpert}
+
+
+def recompute_elementwise(model: torch.nn.Module) -> None:
+    """Selective recomputation for a fused attention core: every RMSNorm and SwiGLU activation is
+    recomputed in the backward pass. Each module's class becomes a subclass with that forward (state,
+    names and hooks unchanged), so every layer runs the same code and torch.compile makes one graph."""
+    for m in model.modules():
+        if type(m) in RECOMPUTED:
+            m.__class__ = RECOMPUTED[type(m)]
+
+
+def apply_recompute(model: CausalLM, cfg: RecomputeConfig, attention: str = "sdpa") -> AttentionBackend:
+    """Set up recomputation on `model` in place; return the attention backend (`attention`: the
+    recipe's core, see baton.train.attention) to train with."""
+    attn = attention_core(attention)
     if cfg.mode == "selective":
-        return SelectiveRecompute(attn)
+        if attention not in FUSED:
+            return SelectiveRecompute(attn)
+        log.warning(
+            "recompute.mode selective with attention %s: the fused core keeps no s x s scores, so recomputing it "
+            "would save only its output; recomputing every RMSNorm and SwiGLU activation instead (attention: eager "
+            "is the core Megatron's selective recomputation is for; recompute.mode full keeps least)",
+            attention,
+        )
+        recompute_elementwise(model)
+        return attn
     if cfg.mode == "full":
         for i, layer in enumerate(model.model.layers):
             if i % cfg.every_n_layers == 0:
                 # An instance attribute shadows DecoderLayer.forward; module hooks (DDP, ZeRO-3) still run.
-                layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+                layer.forward = _checkpointed(layer.forward)
     return attn
 
 

@@ -30,7 +30,7 @@ class ModelChunk(nn.Module):
     are set from outside (`positions`, [S_local]) since later stages cannot see the tokens and
     context parallelism gives each rank non-contiguous positions."""
 
-    def __init__(self, model: CausalLM, layers: range, first: bool, last: bool):
+    def __init__(self, model: CausalLM, layers: range, first: bool, last: bool, device: torch.device | None = None):
         super().__init__()
         self.model = nn.Module()
         if first:
@@ -41,7 +41,8 @@ class ModelChunk(nn.Module):
             self.lm_head = model.lm_head
         self.has_embedding, self.has_head = first, last
         self.tied = model.config.tie_word_embeddings
-        self.inv_freq = model.model.inv_freq  # float32 attribute, as in DecoderModel
+        # A float32 attribute as in DecoderModel (not a buffer: .to() leaves it), so placed here on the rank's device.
+        self.inv_freq = model.model.inv_freq if device is None else model.model.inv_freq.to(device)
         self.attn: AttentionBackend = DenseCausalAttention()
         self.positions: torch.Tensor | None = None
 
@@ -86,12 +87,15 @@ def local_stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     return [pp_rank + v * pp for v in range(stages_per_rank)]
 
 
-def build_chunks(model: CausalLM, pp_rank: int, pp: int, stages_per_rank: int) -> tuple[list[int], list[ModelChunk]]:
-    """This rank's stage ids and chunks (the whole model as one chunk when pp == 1)."""
+def build_chunks(
+    model: CausalLM, pp_rank: int, pp: int, stages_per_rank: int, device: torch.device | None = None
+) -> tuple[list[int], list[ModelChunk]]:
+    """This rank's stage ids and chunks (the whole model as one chunk when pp == 1); `device`: where
+    the chunks' RoPE frequencies live (their parameters are wherever the model's are)."""
     num_stages = pp * stages_per_rank
     ranges = split_layers(model.config.num_hidden_layers, num_stages, stage_costs(model.config)[1])
     ids = local_stage_ids(pp_rank, pp, stages_per_rank)
-    return ids, [ModelChunk(model, ranges[s], s == 0, s == num_stages - 1) for s in ids]
+    return ids, [ModelChunk(model, ranges[s], s == 0, s == num_stages - 1, device) for s in ids]
 
 
 def build_schedule(

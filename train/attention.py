@@ -1,0 +1,92 @@
+"""The recipe's `attention:` choice: which attention core the decoder layers train with.
+
+- sdpa (default): torch's scaled_dot_product_attention (common.model.DenseCausalAttention); on
+  CUDA it dispatches to FlashAttention / memory-efficient kernels, on CPU to a flash-style loop.
+- triton: Baton's own FlashAttention-2 forward and backward (kernels/flash_attention.py and
+  flash_attention_bwd.py) through their autograd.Function: the [B, S] batch is packed as B
+  sequences of S tokens (cu_seqlens), causal, GQA and sliding windows handled in the kernel.
+  CUDA only - except under TRITON_INTERPRET=1, where the interpreter runs the same kernels on CPU
+  tensors (slowly, and exact only in fp32: it mis-rounds bf16), which is how tests check it here.
+- eager: scores, mask, softmax and ·V materialised (recompute.EagerAttention): the unfused core
+  Megatron's activation formula assumes; the one core selective recomputation pays off with.
+
+All three are `AttentionBackend`s (common.model) with the same numbers up to rounding; context
+parallelism replaces the core with its ring attention, so it takes only the default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from baton.common.model import AttentionBackend, DenseCausalAttention
+from baton.kernels.flash_attention import flash_attn_varlen_triton
+
+ATTENTION_BACKENDS = ("sdpa", "triton", "eager")
+FUSED = ("sdpa", "triton")  # cores that never materialise the s x s scores
+
+
+def triton_interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonFlashAttention:
+    """Baton's Triton FlashAttention-2 (forward + backward) as a training attention core."""
+
+    @torch.compiler.disable  # Triton launches with host-side grids: run them eagerly inside a compiled layer
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any) -> torch.Tensor:
+        b, s, hq, d = q.shape
+        # The kernel takes one dtype; under autocast that is the compute dtype, as SDPA would be cast to.
+        dev = q.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+        q, k, v = (t.to(dtype).reshape(b * s, t.shape[2], d) for t in (q, k, v))
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        out = flash_attn_varlen_triton(
+            q, k, v, cu, cu, s, s, causal=True, sliding_window=layer.sliding_window, softmax_scale=layer.scaling
+        )
+        return out.view(b, s, hq, d)
+
+
+def _eager() -> AttentionBackend:
+    from baton.train.recompute import EagerAttention
+
+    return EagerAttention()
+
+
+CORES: dict[str, Callable[[], AttentionBackend]] = {
+    "sdpa": DenseCausalAttention,
+    "triton": TritonFlashAttention,
+    "eager": _eager,
+}
+
+
+def attention_core(name: str) -> AttentionBackend:
+    """The attention core the recipe names (recompute.apply_recompute may wrap it)."""
+    return CORES[name]()
+
+
+def check_attention(need: Callable[[bool, str], None], attention: str, precision: str, cp: int) -> None:
+    """What the chosen core can run here; called by TrainConfig.validate."""
+    need(attention in ATTENTION_BACKENDS, f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+    need(
+        attention == "sdpa" or cp == 1,
+        f"attention {attention!r} with parallel.cp {cp}: context parallelism runs its own ring attention "
+        "core over the sequence shards; leave attention at sdpa",
+    )
+    if attention != "triton":
+        return
+    if torch.cuda.is_available():
+        return
+    need(
+        triton_interpreted(),
+        "attention triton runs Baton's Triton FlashAttention kernels, which need a CUDA GPU (none is "
+        "available); use attention: sdpa (TRITON_INTERPRET=1 runs them on CPU for tests, slowly)",
+    )
+    need(
+        precision == "fp32",
+        f"attention triton under TRITON_INTERPRET=1 (no GPU) with precision {precision}: the Triton "
+        "interpreter rounds bf16/fp16 dots wrongly, so only fp32 is a faithful check; use precision: fp32",
+    )

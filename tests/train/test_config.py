@@ -1,6 +1,7 @@
 """Every bad recipe fails with a clear message before any training work: nothing is built,
 trained or written (the out_dir does not even appear) unless a later check needs data."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -143,6 +144,7 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
             ),
             tokenizer=tok,
         )
+        shutil.copytree(tmp_path / "demo" / "handoff", tmp_path / "demo" / "pruned")  # `baton prune`'s output
         (tmp_path / "demo" / "distill.jsonl").write_text('{"text": "a stand-in continuation"}\n')
         recipe_file = tmp_path / recipe_file.name
         recipe_file.write_text(text.replace("runs/demo/", f"{tmp_path / 'demo'}/"))

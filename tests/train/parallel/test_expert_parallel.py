@@ -48,6 +48,7 @@ AUX, Z = 0.05, 0.01  # large enough to move the router visibly
 OPTIM = OptimConfig(lr=1e-2, weight_decay=0.1)
 CLIP = 1.0
 CASES = {
+    "torch_ddp2": dict(world=2, backend="torch"),  # `backend: torch` under torchrun: DDPBackend
     "ddp2": dict(world=2, par=dict(dp=2, dp_mode="ddp")),
     "fsdp2": dict(world=2, par=dict(dp=2)),
     "ep2": dict(world=2, par=dict(dp=2, ep=2), save=True),
@@ -67,6 +68,37 @@ def batch(step: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- torchrun side
+def run_plain_ddp(name: str, out: Path) -> None:
+    """The recipe's `backend: torch` (DDPBackend, built as the trainer builds it: build_backend
+    attaches the router losses from the recipe's moe section); it reports losses and norms."""
+    from baton.common.model import DenseCausalAttention
+    from baton.train.backends import build_backend
+    from baton.train.config import config_from_dict
+    from baton.train.distributed import Dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = config_from_dict(
+        {
+            "model": MODEL.to_dict(),
+            "data": {"seq_len": SEQ},
+            "micro_batch_size": 1,
+            "global_batch_size": GLOBAL_BATCH,
+            "optim": {"lr": OPTIM.lr, "weight_decay": OPTIM.weight_decay, "grad_clip": CLIP, "warmup_steps": 0},
+            "moe": {"aux_loss_coef": AUX, "z_loss_coef": Z},
+        }
+    )
+    backend = build_backend(cfg, build_model(MODEL, seed=0), DenseCausalAttention(), Dist(rank, world, rank))
+    per = GLOBAL_BATCH // world
+    rec: dict = {"start": 0, "losses": [], "norms": [], "grads": [], "weights_before": [], "zero": []}
+    for step in range(STEPS):
+        result = backend.train_step(list(batch(step)[rank * per : (rank + 1) * per].chunk(per)), OPTIM.lr)
+        rec["losses"].append(result.loss)
+        rec["norms"].append(result.grad_norm)
+        rec["zero"].append(router_metrics(backend.module)["moe_zero_token_experts"])
+    rec["weights"] = {n: p.detach().clone() for n, p in backend.module.named_parameters()}
+    torch.save(rec, out / name / f"rank{rank}.pt")
+
+
 def run_case(name: str, out: Path) -> None:
     from baton.train.parallel import checkpoint
     from baton.train.parallel.layout import ParallelConfig, check_layout
@@ -109,7 +141,7 @@ def main(out: Path, cases: list[str]) -> None:
     try:
         for name in cases:
             (out / name).mkdir(parents=True, exist_ok=True)
-            run_case(name, out)
+            (run_plain_ddp if CASES[name].get("backend") == "torch" else run_case)(name, out)
             dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -137,18 +169,18 @@ def reference() -> dict:
     attach_router_losses(model, AUX, Z, GLOBAL_BATCH)
     groups, _ = param_groups(model, OPTIM.weight_decay)
     opt = torch.optim.AdamW(groups, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
         for row in batch(step).chunk(GLOBAL_BATCH):
             loss = micro_loss(model, row)
             (loss / GLOBAL_BATCH).backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         losses.append(total / GLOBAL_BATCH)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {"losses": losses}
+    return {"losses": losses, "norms": norms, "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 @pytest.fixture(scope="module")
@@ -162,12 +194,13 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     merged = {}
     for name in CASES:
         recs = [torch.load(p, weights_only=True) for p in sorted((root / name).glob("rank*.pt"))]
-        run = dict(recs[0])
-        for key in ("grads", "weights_before"):  # every rank's parameters: EP ranks hold other experts
-            run[key] = [{k: v for r in recs for k, v in r[key][i].items()} for i in range(len(run["losses"]))]
+        run = dict(recs[0])  # per-step losses and norms: the same on every rank
         run["zero"] = [sum(r["zero"][i] for r in recs) for i in range(len(run["losses"]))]
-        run["memory_per_rank"] = [r["memory"] for r in recs]
-        run["held_per_rank"] = [{tuple(h) for h in r["held"]} for r in recs]
+        if "memory" in run:  # a Parallel3D case: merge every rank's parameters (EP ranks hold other experts)
+            for key in ("grads", "weights_before"):
+                run[key] = [{k: v for r in recs for k, v in r[key][i].items()} for i in range(len(run["losses"]))]
+            run["memory_per_rank"] = [r["memory"] for r in recs]
+            run["held_per_rank"] = [{tuple(h) for h in r["held"]} for r in recs]
         merged[name] = run
     return merged
 
@@ -181,7 +214,7 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("case", [n for n in CASES if "resume" not in n])
+@pytest.mark.parametrize("case", [n for n, c in CASES.items() if "resume" not in n and "par" in c])
 def test_moe_layout_matches_single_process(runs, reference, case):
     run = runs[case]
     assert len(run["losses"]) == STEPS
@@ -197,6 +230,18 @@ def test_moe_layout_matches_single_process(runs, reference, case):
         assert err < TOL, f"{case}: step {step} gradients differ by {err:.2e} at the same weights"
         want = math.sqrt(sum(g.double().pow(2).sum().item() for g in expected.values()))
         assert abs(norm - want) / want < TOL, f"{case}: step {step} gradient norm {norm} != {want}"
+
+
+def test_plain_ddp_backend_trains_moe_like_one_process(runs, reference):
+    """`backend: torch` under torchrun (DistributedDataParallel, default settings: any parameter
+    without a gradient is an error) trains the MoE like one process: same losses, clipped norms
+    and final weights, with zero-token experts on some rank in most steps."""
+    run = runs["torch_ddp2"]
+    assert sum(z > 0 for z in run["zero"]) >= STEPS // 2, run["zero"]
+    for name in ("losses", "norms"):
+        rel = [abs(a - b) / b for a, b in zip(run[name], reference[name])]
+        assert len(rel) == STEPS and max(rel) < TOL, f"{name}: {rel}"
+    assert max_rel(run["weights"], reference["weights"]) < 1e-3
 
 
 @pytest.mark.parametrize("case", ["resume_ep2", "resume_fsdp2", "resume_ep2_dp2"])

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from baton.common.config import PRESETS, ConfigError, ModelConfig
 from baton.common.data import DataConfig
+from baton.train.attention import check_attention
 from baton.train.deepspeed_config import check_ds_config, check_zero
 from baton.train.distributed import read_launch
 from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
@@ -116,6 +118,8 @@ class TrainConfig:
     backend: str = "torch"  # torch (single process, or DDP under torchrun) | deepspeed
     precision: str = "fp32"  # fp32 | bf16 | fp16 (dynamic loss scaling): compute dtype; fp32 master weights
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)  # precision fp16 only
+    attention: str = "sdpa"  # sdpa | triton (Baton's Triton FlashAttention, CUDA) | eager: baton.train.attention
+    compile: bool = False  # torch.compile every decoder layer's forward (baton.train.compile)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torch3d: the dp x pp x cp x tp layout
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -199,6 +203,7 @@ class TrainConfig:
         self._validate_init_from(need)
         self._validate_model(need)
         self._validate_precision(need)
+        self._validate_compute(need)
         self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
         self._validate_moe(need)
@@ -297,6 +302,33 @@ class TrainConfig:
         need(
             isinstance(ls.window, int) and ls.window > 0,
             f"loss_scale.window must be a positive integer, got {ls.window!r}",
+        )
+
+    def _validate_compute(self, need) -> None:
+        """The attention core and torch.compile: what this machine and backend can run."""
+        check_attention(need, self.attention, self.precision, self.parallel.cp)
+        need(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}")
+        if not self.compile:
+            return
+        from baton.train.compile import cpu_compiler
+
+        need(
+            torch.cuda.is_available() or cpu_compiler() is not None,
+            "compile: true on CPU needs a C++ compiler for inductor's kernels (none of g++, c++, clang++ "
+            "is on PATH): install one, or set compile: false",
+        )
+        need(
+            not (self.backend == "torch3d" and self.parallel.tp > 1),
+            "compile: true with parallel.tp > 1: in torch 2.13 the backward of a compiled decoder layer under "
+            "DTensor tensor-parallel plans fails (AOTAutograd hands DTensor's redistribute a plain-tensor "
+            "gradient: 'Tensor' object has no attribute '_local_tensor'); compile dp/FSDP2, pp and cp layouts, "
+            "or run tensor parallelism eagerly",
+        )
+        need(
+            not (self.backend == "deepspeed" and self.deepspeed.stage == 3),
+            "compile: true with deepspeed.stage 3: ZeRO-3 gathers each parameter in hooks on every Linear "
+            "inside the layer, which dynamo would trace; use stage 0-2, or backend torch3d (FSDP2) for "
+            "sharded parameters with compiled layers",
         )
 
     def _validate_backend(self, need, dp: int | None) -> None:

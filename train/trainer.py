@@ -24,12 +24,12 @@ from baton.common.config import ConfigError
 from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
-from baton.train.backends import Backend, StepResult, build_backend
+from baton.train.backends import COMPUTE_DTYPES, Backend, StepResult, build_backend
 from baton.train.batches import GlobalBatches, micro_batches
 from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist, init_distributed, read_launch
-from baton.train.metrics import MetricsLogger, flops_per_token, measure_matmul_peak, plot_losses
+from baton.train.metrics import MetricsLogger, flops_per_token, peak_flops, plot_losses
 from baton.train.moe import router_metrics
 from baton.train.pretrained import PretrainedWeights, pretrained_model
 from baton.train.recompute import apply_recompute
@@ -152,7 +152,7 @@ class Trainer:
                 log.info("fine-tuning %s: weights and tokenizer from it, fresh optimizer and data", cfg.init_from)
         else:
             model = build_model(model_cfg, seed=cfg.seed)
-        attn = apply_recompute(model, cfg.recompute)
+        attn = apply_recompute(model, cfg.recompute, cfg.attention)
         self.backend = build_backend(cfg, model, attn, dist, pretrained=weights)
         if dist.is_main:
             log.info(
@@ -175,10 +175,18 @@ class Trainer:
 
         # ---- logs
         self.metrics = MetricsLogger(self.out_dir, dist.is_main, self.state.step, cfg.logging.tensorboard)
-        device = f"cuda:{dist.local_rank}" if torch.cuda.is_available() else "cpu"
         self.peak = None
         if cfg.logging.mfu:  # every rank at once: ranks sharing cores measure the share they get
-            self.peak = dist.all_reduce_sum(torch.tensor([measure_matmul_peak(device)], device=device)).item()
+            peak, source = peak_flops(dist.device, COMPUTE_DTYPES[cfg.precision])
+            self.peak = dist.all_reduce_sum(torch.tensor([peak], dtype=torch.float64, device=dist.device)).item()
+            if dist.is_main:
+                log.info(
+                    "MFU against %.1f TFLOP/s (%s, %s, summed over %d ranks)",
+                    self.peak / 1e12,
+                    source,
+                    cfg.precision,
+                    dist.world_size,
+                )
         self.flops_per_token = flops_per_token(model_cfg, seq)
         self.bar = tqdm(
             total=cfg.max_steps,

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult, autocast, lm_loss, loss_scaler, param_groups, step_loss
+from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.universal import UniversalState, read_any, write_universal
@@ -33,12 +34,14 @@ class DDPBackend:
         self.grad_clip = cfg.optim.grad_clip
         self.precision = cfg.precision
         self.layout = Layout("torch", dist.world_size, precision=cfg.precision)
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", dist.local_rank) if cuda else torch.device("cpu")
+        self.device = dist.device
         self.scaler = loss_scaler(self.device, cfg)
         model.to(self.device)
+        if cfg.compile:  # each layer's forward, before DDP wraps the model (its reducer stays eager)
+            compile_layers(model)
         if dist.world_size > 1:
-            self.model = DistributedDataParallel(model, device_ids=[dist.local_rank] if cuda else None)
+            cuda = self.device.type == "cuda"
+            self.model = DistributedDataParallel(model, device_ids=[self.device.index] if cuda else None)
         else:
             self.model = model
         groups, self.group_names = param_groups(model, cfg.optim.weight_decay)

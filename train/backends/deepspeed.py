@@ -38,6 +38,7 @@ from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
+from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.deepspeed_config import ds_config
 from baton.train.distributed import Dist
@@ -179,6 +180,8 @@ class DeepSpeedBackend:
             optimizer = DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
         else:
             optimizer = (_SkipNonFiniteAdamW if d.stage == 0 else torch.optim.AdamW)(groups, **kw)
+        if cfg.compile:  # each layer's forward, before DeepSpeed wraps the model (ZeRO-3 refused by the recipe check)
+            compile_layers(model)
         initial = None
         if cfg.precision != "fp32":
             initial = (

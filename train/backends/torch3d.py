@@ -55,6 +55,7 @@ class Torch3DBackend:
             cfg.optim,
             attn=attn,
             precision=cfg.precision,
+            compile="inductor" if cfg.compile else None,
             materialize=pretrained.materialize if pretrained is not None else None,
         )
 

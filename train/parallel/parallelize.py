@@ -31,7 +31,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
 from baton.train.backends import COMPUTE_DTYPES, autocast, param_groups
+from baton.train.compile import compile_layers
 from baton.train.config import OptimConfig, RecomputeConfig
+from baton.train.distributed import rank_device
 from baton.train.parallel.context_parallel import RingAttention, zigzag_indices, zigzag_shard
 from baton.train.parallel.data_parallel import apply_ddp, apply_fsdp
 from baton.train.parallel.expert_parallel import apply_ep, is_expert_parameter, shard_experts
@@ -64,21 +66,24 @@ class Parallel3D:
         attn: AttentionBackend | None = None,
         recompute: RecomputeConfig | None = None,
         precision: str = "fp32",
+        compile: str | None = None,
         materialize: Callable[[list[torch.nn.Module], torch.device], None] | None = None,
     ):
         """`attn`: the attention backend the caller set up (e.g. by apply_recompute); or pass
         `recompute` to have it applied here, after tensor parallelism. `precision`: fp32 or bf16
-        (fp16 would need a loss scaler over DTensor shards: refused by the recipe check).
+        (fp16 would need a loss scaler over DTensor shards: refused by the recipe check). `compile`: a
+        torch.compile backend ("inductor") to compile every decoder layer's forward with, after
+        recomputation and before FSDP2/DDP (torchtitan's order); None: eager.
         `materialize(chunks, device)`: for a meta-built model (init_from), allocates and fills this
         rank's shards once tensor parallelism and FSDP2 have laid them out (before DDP and the optimizer)."""
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"Parallel3D runs fp32 or bf16, not {precision!r}")
         lay = self.layout = mesh.layout
         self.mesh, self.microbatches, self.config = mesh, microbatches, model.config
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        )
-        self.stage_ids, self.chunks = build_chunks(model, mesh.rank("pp"), lay.pp, lay.stages_per_rank)
+        self.device = rank_device(torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        if not any(p.is_meta for p in model.parameters()):  # (a meta-device model is materialised on it later)
+            model.to(self.device)  # every layout, not only those whose TP/FSDP wrappers move it
+        self.stage_ids, self.chunks = build_chunks(model, mesh.rank("pp"), lay.pp, lay.stages_per_rank, self.device)
         if lay.tp > 1:
             for chunk in self.chunks:
                 apply_tp(chunk, mesh["tp"], lay.sequence_parallel, lay.loss_parallel)
@@ -90,6 +95,8 @@ class Parallel3D:
         attn = _with_core(attn or DenseCausalAttention(), RingAttention(mesh.group("cp")) if lay.cp > 1 else None)
         for chunk in self.chunks:
             chunk.attn = attn
+            if compile is not None:
+                compile_layers(chunk, compile)
         self.data_parallel = lay.dp * lay.cp > 1
         fsdp = self.data_parallel and lay.dp_mode == "fsdp"
         compute = COMPUTE_DTYPES[precision]
@@ -224,8 +231,10 @@ class Parallel3D:
                 key, local = None, g
             # Expert parallelism: each ep rank holds other experts, so theirs add up over ep too.
             key = (key, self.layout.ep > 1 and is_expert_parameter(name))
-            partial[key] = partial.get(key, torch.zeros((), dtype=torch.float64)) + local.double().pow(2).sum().cpu()
-        total = torch.zeros((), dtype=torch.float64)
+            # Summed on the rank's device: NCCL reduces only CUDA tensors.
+            zero = torch.zeros((), dtype=torch.float64, device=self.device)
+            partial[key] = partial.get(key, zero) + local.double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for (key, over_ep), sq in partial.items():
             if key is not None:
                 mesh, dims = key

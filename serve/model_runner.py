@@ -19,6 +19,7 @@ from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
+from baton.serve.fusion import fuse_projections
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
 from baton.serve.step_plan import DECODE_ROWS, StepPlan
@@ -89,13 +90,13 @@ class ModelRunner:
     ):
         """`layers`: the global indices of the decoder layers this runner holds (a pipeline stage);
         default all. Their attention modules give the (possibly sharded) KV head count."""
-        self.model = fuse_residual_norms(model.eval())
+        self.model = fuse_projections(fuse_residual_norms(model.eval()))
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         if self.device.type == "cpu":
             keep_freed_memory()
-            if self.dtype == torch.float32:  # the C++ decode kernel's only dtype: build/load it now, not on a request
+            if self.dtype in (torch.float32, torch.bfloat16):  # the C++ decode kernel's dtypes: build/load it now
                 cpu_kernels()
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers

@@ -468,7 +468,7 @@ def paged_attention_decode_cpu(
     tail_mask=None,
 ):
     """CPU path in C++ (csrc/paged_decode_cpu.cpp): reads K/V in place from the pools, no gather.
-    float32 only; splits and estimates change nothing. tail_mask [B, T] bool (CPU only, no window):
+    float32 or bfloat16 (float32 math); splits and estimates change nothing. tail_mask [B, T] bool (CPU only, no window):
     row b sees token t >= context_lens[b] - T only where tail_mask[b, t - context_lens[b] + T]."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     tail = tail_mask.to(torch.uint8).contiguous() if tail_mask is not None else None
@@ -485,10 +485,11 @@ def paged_attention_decode_cpu(
 
 
 def cpu_kernel_fits(q, k_cache, v_cache) -> bool:
-    """True when the C++ CPU kernel can serve these tensors (float32 on CPU, and it could be built)."""
+    """True when the C++ CPU kernel can serve these tensors (float32 or bfloat16 on CPU, and it could be built)."""
     return (
         q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(-1) == 1
         and cpu_kernels() is not None
@@ -511,7 +512,7 @@ def paged_attention_decode(
     """Decode attention: q [B, Hq, D] (one token per sequence, at position context_lens[b] - 1) over
     the paged pools. max_context_len (host int) sizes the splits without a device sync;
     max_score_estimate switches on FlashDecoding++'s unified max (Triton path only). CUDA runs the
-    Triton kernel; CPU float32 the C++ kernel when it could be built; anything else the torch path."""
+    Triton kernel; CPU float32/bfloat16 the C++ kernel when it could be built; anything else the torch path."""
     if use_triton(q, k_cache):
         impl = paged_attention_decode_triton
     else:

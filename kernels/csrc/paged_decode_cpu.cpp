@@ -1,4 +1,6 @@
-// Paged decode attention for CPU float32: reads K/V straight from the paged pools (no gather copy).
+// Paged decode attention for CPU float32 and bfloat16: reads K/V straight from the paged pools (no
+// gather copy). bfloat16 pools and queries are widened to float as they are read; scores, softmax
+// and the weighted sum of values are float32, and the output is rounded to bfloat16 once at the end.
 //
 // A work item is a sequence (or, when there are fewer sequences than 4 per thread, one kv head of
 // it). Pass 1 walks the block table page by page and computes the scaled scores q.k of all the
@@ -14,14 +16,19 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr float kHidden = -1e30f;  // a hidden token's score: exp(kHidden - max) is exactly 0
 
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
 struct Args {
-  const float* q; const float* k; const float* v; float* out;
+  const T* q; const T* k; const T* v; T* out;
   const int32_t* tables; const int32_t* lens;
   int64_t q_row, out_row, table_row, blk_stride, tok_stride, head_stride;
   int64_t num_kv_heads, group, block_size, window;
@@ -32,40 +39,45 @@ struct Args {
 
 // Calls fn(i, row) for the visible tokens start + i < len of one sequence, row pointing at the
 // token's K or V (all kv heads side by side) in `pool`; the block table is read once per page.
-template <typename Fn>
-inline void for_each_row(const Args& a, const float* pool, const int32_t* table, int64_t start, int64_t len, Fn&& fn) {
+template <typename T, typename Fn>
+inline void for_each_row(const Args<T>& a, const T* pool, const int32_t* table, int64_t start, int64_t len, Fn&& fn) {
   for (int64_t t = start; t < len;) {
     const int64_t page = t / a.block_size, end = std::min(len, (page + 1) * a.block_size);
-    const float* base = pool + table[page] * a.blk_stride;
+    const T* base = pool + table[page] * a.blk_stride;
     for (; t < end; ++t) fn(t - start, base + (t % a.block_size) * a.tok_stride);
   }
 }
 
 // One work item: sequence b, kv heads [h0, h1). Token rows are walked once per pass, all the item's
 // heads at a time, so a K/V row (all heads contiguous in the pool) is read in one sweep.
-template <int D>
-void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scores) {
+template <typename T, int D>
+void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::vector<float>& scores,
+            std::vector<float>& acc) {
   const int64_t dl = D > 0 ? D : dim;
   const int64_t G = a.group, nh = (h1 - h0) * G;  // query heads in this item
   const int64_t len = a.lens[b];
   const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
   const int64_t n = len - start;
-  const float* q = a.q + b * a.q_row + h0 * G * dl;
-  float* out = a.out + b * a.out_row + h0 * G * dl;
+  const T* qt = a.q + b * a.q_row + h0 * G * dl;
+  T* out = a.out + b * a.out_row + h0 * G * dl;
   if (n <= 0) {
-    std::fill(out, out + nh * dl, 0.f);
+    std::fill(out, out + nh * dl, T(0.f));
     return;
   }
+  if (static_cast<int64_t>(acc.size()) < 2 * nh * dl) acc.resize(2 * nh * dl);
+  float* q = acc.data();  // the item's queries, widened once
+  float* o = acc.data() + nh * dl;  // the weighted sum, in float until the end
+  for (int64_t i = 0; i < nh * dl; ++i) q[i] = widen(qt[i]);
   if (static_cast<int64_t>(scores.size()) < nh * n) scores.resize(nh * n);
   const int32_t* table = a.tables + b * a.table_row;
   std::vector<int64_t> head(nh);  // offset of query head j's kv head within a token row
   for (int64_t j = 0; j < nh; ++j) head[j] = (h0 + j / G) * a.head_stride;
-  for_each_row(a, a.k, table, start, len, [&](int64_t i, const float* row) {  // pass 1: scores
+  for_each_row(a, a.k, table, start, len, [&](int64_t i, const T* row) {  // pass 1: scores
     for (int64_t j = 0; j < nh; ++j) {
-      const float* kr = row + head[j];
+      const T* kr = row + head[j];
       const float* qj = q + j * dl;
       float s = 0.f;
-      for (int64_t d = 0; d < dl; ++d) s += qj[d] * kr[d];
+      for (int64_t d = 0; d < dl; ++d) s += qj[d] * widen(kr[d]);
       scores[j * n + i] = s * a.scale;
     }
   });
@@ -87,21 +99,21 @@ void attend(const Args& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::
     }
     inv[j] = 1.f / sum;
   }
-  std::fill(out, out + nh * dl, 0.f);
-  for_each_row(a, a.v, table, start, len, [&](int64_t i, const float* row) {  // pass 3: weighted values
+  std::fill(o, o + nh * dl, 0.f);
+  for_each_row(a, a.v, table, start, len, [&](int64_t i, const T* row) {  // pass 3: weighted values
     for (int64_t j = 0; j < nh; ++j) {
-      const float* vr = row + head[j];
+      const T* vr = row + head[j];
       const float p = scores[j * n + i];
-      float* o = out + j * dl;
-      for (int64_t d = 0; d < dl; ++d) o[d] += p * vr[d];
+      float* oj = o + j * dl;
+      for (int64_t d = 0; d < dl; ++d) oj[d] += p * widen(vr[d]);
     }
   });
   for (int64_t j = 0; j < nh; ++j)
-    for (int64_t d = 0; d < dl; ++d) out[j * dl + d] *= inv[j];
+    for (int64_t d = 0; d < dl; ++d) out[j * dl + d] = T(o[j * dl + d] * inv[j]);
 }
 
-template <int D>
-void run(const Args& a, int64_t dim, int64_t batch) {
+template <typename T, int D>
+void run(const Args<T>& a, int64_t dim, int64_t batch) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   // Whole sequences per item when there are enough of them; else one kv head per item.
   const int64_t split = batch >= 4 * threads ? 1 : a.num_kv_heads;
@@ -121,13 +133,23 @@ void run(const Args& a, int64_t dim, int64_t batch) {
     bounds[t] = i;
   }
   at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scores;
+    std::vector<float> scores, acc;
     for (int64_t t = lo; t < hi; ++t)
       for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
         const int64_t b = i / split, h0 = (i % split) * per;
-        attend<D>(a, dim, b, h0, h0 + per, scores);
+        attend<T, D>(a, dim, b, h0, h0 + per, scores, acc);
       }
   });
+}
+
+template <typename T>
+void dispatch(const Args<T>& a, int64_t dim, int64_t batch) {
+  switch (dim) {
+    case 32: run<T, 32>(a, dim, batch); break;
+    case 64: run<T, 64>(a, dim, batch); break;
+    case 128: run<T, 128>(a, dim, batch); break;
+    default: run<T, 0>(a, dim, batch);
+  }
 }
 
 }  // namespace
@@ -135,8 +157,9 @@ void run(const Args& a, int64_t dim, int64_t batch) {
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t window,
                            std::optional<torch::Tensor> tail_mask) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-              v_cache.scalar_type() == torch::kFloat32, "paged_decode (CPU): float32 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && k_cache.scalar_type() == dtype &&
+              v_cache.scalar_type() == dtype, "paged_decode (CPU): float32 or bfloat16, the same for q and the pools");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
               "paged_decode (CPU): int32 block tables and context lengths");
   TORCH_CHECK(q.is_contiguous() && block_tables.stride(-1) == 1 && context_lens.is_contiguous(), "contiguous inputs");
@@ -164,24 +187,26 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     }
   }
   auto out = torch::empty_like(q);
-  Args a{q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(),
-         tables, lens,
-         q.stride(0), out.stride(0), block_tables.size(0) ? block_tables.stride(0) : 0,
-         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-         num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale),
-         tail_mask ? tail_mask->data_ptr<uint8_t>() : nullptr, tail_mask ? tail_mask->size(1) : 0,
-         tail_mask ? tail_mask->stride(0) : 0};
-  switch (dim) {
-    case 32: run<32>(a, dim, batch); break;
-    case 64: run<64>(a, dim, batch); break;
-    case 128: run<128>(a, dim, batch); break;
-    default: run<0>(a, dim, batch);
+  const auto args = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    return Args<T>{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+                   tables, lens,
+                   q.stride(0), out.stride(0), block_tables.size(0) ? block_tables.stride(0) : 0,
+                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                   num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale),
+                   tail_mask ? tail_mask->data_ptr<uint8_t>() : nullptr, tail_mask ? tail_mask->size(1) : 0,
+                   tail_mask ? tail_mask->stride(0) : 0};
+  };
+  if (dtype == torch::kBFloat16) {
+    dispatch(args(static_cast<c10::BFloat16*>(nullptr)), dim, batch);
+  } else {
+    dispatch(args(static_cast<float*>(nullptr)), dim, batch);
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over float32 pools (CPU)", py::arg("q"),
+  m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("window"), py::arg("tail_mask") = py::none());
 }

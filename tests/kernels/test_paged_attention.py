@@ -50,11 +50,13 @@ def test_decode_small_pages_scale_and_max_context_len(dtype):
 
 def test_cpu_kernels_build_and_dispatch_uses_them():
     """CI machines have a C++ compiler (DeepSpeed's CPU Adam needs one too): the build must work,
-    and the dispatcher must pick the C++ kernel for float32 CPU tensors, the torch path otherwise."""
+    and the dispatcher must pick the C++ kernel for float32 and bfloat16 CPU tensors, the torch path otherwise."""
     assert cpu_kernels() is not None
     args = _decode_case(torch.float32, [5, 40])
     assert pa.cpu_kernel_fits(*args[:3])
+    assert pa.cpu_kernel_fits(*(a.bfloat16() for a in args[:3]))
     assert not pa.cpu_kernel_fits(*(a.half() for a in args[:3]))
+    assert not pa.cpu_kernel_fits(args[0].bfloat16(), *args[1:3])  # q and the pools must agree
 
 
 @pytest.mark.parametrize("impl", ["cpu", "torch"])
@@ -73,6 +75,21 @@ def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
     got = fn(q, k_cache, v_cache, tables, ctx, sliding_window=window, softmax_scale=0.2)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
     assert (got[0] == 0).all()  # the empty slot attends to nothing
+
+
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((6, 3), 48)])
+def test_decode_cpu_kernel_bfloat16(heads, head_dim, window):
+    """bfloat16 pools and queries: the C++ kernel computes in float32 and rounds once, so it is
+    within one bfloat16 rounding of the float32 reference on the same (bfloat16) values."""
+    q, k_cache, v_cache, tables, ctx = _decode_case(torch.bfloat16, LENS + [600, 3], heads, head_dim, 16)
+    want = ref.paged_attention_decode_ref(
+        q.float(), k_cache.float(), v_cache.float(), tables, ctx, sliding_window=window, softmax_scale=0.2
+    )
+    got = pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, sliding_window=window, softmax_scale=0.2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=1e-3, rtol=2**-8)
+    assert (got[0] == 0).all()
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])

@@ -134,28 +134,38 @@ MODES = {
 }
 
 
-@pytest.mark.slow
-def test_sharded_loading_at_world_size_2(corpus, tmp_path):
-    """Every sharded loader's step-0 loss equals transformers' (bf16: within bf16 rounding of the
-    logits, 2e-2); all modes run one after another in one 2-rank process group."""
+def run_modes(modes: dict, nproc: int, corpus: Path, tmp_path: Path) -> dict:
+    """Every mode one after another in one `nproc`-rank process group; each mode's step-0 loss
+    must equal transformers' (bf16: within bf16 rounding of the logits, 2e-2). The checkpoints."""
     recipe_path = tmp_path / "recipe.yaml"
-    ckpts = {f: hf_checkpoint(tmp_path / "hf", f, PATTERN_TEXT) for f in {f for f, _ in MODES.values()}}
-    raw = recipe(corpus, tmp_path / "unused", ckpts["llama"][0])
+    ckpts = {f: hf_checkpoint(tmp_path / "hf", f, PATTERN_TEXT) for f in {f for f, _ in modes.values()}}
+    raw = recipe(corpus, tmp_path / "unused", next(iter(ckpts.values()))[0])
     recipe_path.write_text(yaml.safe_dump(raw))
-    specs = [f"{m}={','.join([f'init_from={ckpts[f][0]}', *o])}" for m, (f, o) in MODES.items()]
-    run(
-        2, [str(recipe_path), str(tmp_path / "runs"), *specs], tmp_path / "runs.log", timeout=600, script=str(MULTI_RUN)
-    )
-    for mode, (family, _) in MODES.items():
+    specs = [f"{m}={','.join([f'init_from={ckpts[f][0]}', *o])}" for m, (f, o) in modes.items()]
+    log = tmp_path / "runs.log"
+    run(nproc, [str(recipe_path), str(tmp_path / "runs"), *specs], log, timeout=600, script=str(MULTI_RUN))
+    for mode, (family, _) in modes.items():
         ref = hf_first_loss({**raw, "init_from": str(ckpts[family][0])}, ckpts[family][1])
         ours = first_loss(tmp_path / "runs" / mode)
         tol = 2e-2 if "bf16" in mode else TOL
         assert abs(ours - ref) < tol, f"{mode} ({family}): step-0 loss {ours:.7f}, transformers {ref:.7f}"
+    return ckpts
+
+
+@pytest.mark.slow
+def test_sharded_loading_at_world_size_2(corpus, tmp_path):
+    ckpts = run_modes(MODES, 2, corpus, tmp_path)
     # bf16 ZeRO-3: the module holds rounded partitions, the float32 masters must be the file's values
     # (bf16 rounding of these ~0.1-sized weights would be ~1e-4 off; the 1e-9 step moves them ~1e-9)
     masters = final_state(tmp_path / "runs" / "zero3-bf16", step=1).weights
     for name, t in load_state_dict(ckpts["llama"][0]).items():
         assert (masters[name] - t).abs().max() < 1e-6, name
+
+
+@pytest.mark.slow
+def test_2d_fsdp2_and_tensor_parallel_at_world_size_4(corpus, tmp_path):
+    """FSDP2 over TP shards: each rank's block of a weight is a slice of a slice."""
+    run_modes({"dp2-tp2": ("qwen2", ["backend=torch3d", "parallel.dp=2", "parallel.tp=2"])}, 4, corpus, tmp_path)
 
 
 def test_recipe_model_section_must_agree_with_the_checkpoint(corpus, tmp_path):

@@ -122,6 +122,7 @@ def test_step0_loss_equals_transformers(family, corpus, tmp_path):
 # parallelism: Mixtral's experts; PP: a stage holding only some layers).
 # zero3-bf16 takes a near-zero step, so its saved float32 masters must still be the checkpoint's.
 TINY_LR = ["optim.lr=1e-9", "optim.min_lr=1e-10"]
+OFFLOAD = ["deepspeed.offload_param=cpu", "deepspeed.offload_optimizer=cpu"]  # zero.Init builds on the host
 MODES = {
     "fsdp2": ("qwen2", ["backend=torch3d", "parallel.dp=2"]),
     "tp2": ("llama-tied", ["backend=torch3d", "parallel.tp=2"]),
@@ -129,6 +130,7 @@ MODES = {
     "pp2": ("llama", ["backend=torch3d", "parallel.pp=2"]),
     "ep2": ("mixtral", ["backend=torch3d", "parallel.dp=2", "parallel.ep=2"]),
     "zero3": ("mixtral", ["backend=deepspeed", "deepspeed.stage=3"]),
+    "zero3-offload": ("qwen2", ["backend=deepspeed", "deepspeed.stage=3", *OFFLOAD]),
     "zero3-bf16": ("llama", ["backend=deepspeed", "deepspeed.stage=3", "precision=bf16", *TINY_LR]),
     "ddp": ("llama", []),
 }

@@ -20,6 +20,7 @@ import yaml
 from baton.common.checkpoint import load_checkpoint, load_state_dict
 from baton.common.config import ConfigError
 from baton.common.data import DataConfig, build_datasets, torch_loader
+from baton.common.hf import import_hf
 from baton.common.tokenizer import Tokenizer, train_char
 from baton.train.batches import GlobalBatches
 from baton.train.config import config_from_dict
@@ -192,6 +193,26 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(corpus, tmp_path):
     with pytest.raises(ConfigError, match="embedding only 72"):
         train(config_from_dict(raw))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_multi_file_checkpoint_and_a_corrupted_handoff(corpus, tmp_path):
+    """Shards + index (save_pretrained's max_shard_size) load to transformers' loss; a handoff whose
+    weights no longer match its recorded sha256 is refused before any work."""
+    ckpt, hf_model = hf_checkpoint(tmp_path, "qwen2", PATTERN_TEXT)
+    hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    Tokenizer.from_dir(ckpt).save(tmp_path / "sharded")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
+    raw = recipe(corpus, tmp_path / "run", tmp_path / "sharded")
+    train(config_from_dict(raw))
+    assert abs(first_loss(tmp_path / "run") - hf_first_loss(raw, hf_model)) < TOL
+
+    handoff = import_hf(ckpt, tmp_path / "handoff")
+    data = bytearray((handoff / "model.safetensors").read_bytes())
+    data[-1] ^= 0x01
+    (handoff / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="does not match its sha256"):
+        train(config_from_dict(recipe(corpus, tmp_path / "bad", handoff)))
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
 def eval_ppl(model_dir: Path, raw: dict, batches: int = 8) -> float:

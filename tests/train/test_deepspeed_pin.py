@@ -162,6 +162,43 @@ def _zero3_param_attributes() -> str | None:
     return f"parameters no longer get {', '.join(gone)}" if gone else None
 
 
+def _bf16_file_prefix() -> str | None:
+    """ZeRO-1/2/3 under bf16 write bf16_zero_pp_rank_R_* optimizer files (zero_checkpoint globs *zero_pp_rank_*)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine as E
+
+    got = E._get_zero_ckpt_prefix(None, 1, bf16_mode=True)
+    return None if got == "bf16_zero_pp_rank_1" else f"a bf16 rank's optimizer files now start {got!r}"
+
+
+def _unfused_optimizer() -> str | None:
+    """Stage 0 under bf16/fp16: FP16_UnfusedOptimizer around the AdamW. Baton clears its inner AdamW's
+    state, writes the float32 masters (fp32_groups) itself, and reads them back from its state dict."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer as U
+
+    src = inspect.getsource(U.state_dict)
+    # the inner AdamW's state is written under checkpoint.constants' OPTIMIZER_STATE_DICT (pinned above)
+    wants = {"fp32_groups": r"'fp32_groups'", "optimizer_state_dict": r"(OPTIMIZER_STATE_DICT|'optimizer_state_dict')"}
+    keys = [k for k, pat in wants.items() if not re.search(rf"state_dict\[{pat}\]\s*=", src)]
+    return first(
+        assigns(U, "fp32_groups", "optimizer"),
+        f"state_dict() no longer writes {', '.join(keys)}" if keys else None,
+    )
+
+
+def _loss_scale_properties() -> str | None:
+    """precision fp16 reads engine.optimizer.loss_scale (the scale a step's backward ran at)."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    gone = [
+        c.__name__
+        for c in (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, FP16_UnfusedOptimizer)
+        if not isinstance(getattr(c, "loss_scale", None), property)
+    ]
+    return f"{', '.join(gone)} no longer have a loss_scale property" if gone else None
+
+
 def private_api_checks() -> dict[str, tuple[str, Callable[[], str | None]]]:
     """What Baton uses -> (where, a check returning what moved or None). Imports stay inside the
     checks so one missing module is reported as such, next to the rest."""
@@ -241,6 +278,13 @@ def private_api_checks() -> dict[str, tuple[str, Callable[[], str | None]]]:
             lambda: accepts(deepspeed.zero.GatheredParameters, 1, "modifier_rank"),
         ),
         "checkpoint keys (deepspeed.checkpoint.constants)": ("train/backends/zero_checkpoint.py", _checkpoint_keys),
+        "precision: FP16_UnfusedOptimizer .fp32_groups, .optimizer, state_dict()['fp32_groups', "
+        "'optimizer_state_dict'] (stage 0 bf16/fp16)": (f"{ds}, train/backends/zero_checkpoint.py", _unfused_optimizer),
+        "precision fp16: ZeRO-1/2, ZeRO-3 and FP16_UnfusedOptimizer .loss_scale": (ds, _loss_scale_properties),
+        "precision bf16: optimizer files bf16_zero_pp_rank_R_*": (
+            "train/backends/zero_checkpoint.py",
+            _bf16_file_prefix,
+        ),
         "checkpoint file names (zero_pp_rank_R_mp_rank_00_optim_states.pt)": (
             "train/backends/zero_checkpoint.py",
             _checkpoint_file_names,

@@ -195,6 +195,17 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(corpus, tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_fine_tune_resumes_from_its_own_checkpoint(corpus, tmp_path):
+    """init_from sets where a fresh run starts; a run with checkpoints in out_dir resumes them."""
+    ckpt, _ = hf_checkpoint(tmp_path, "llama", PATTERN_TEXT)
+    raw = recipe(corpus, tmp_path / "run", ckpt, max_steps=2)
+    first = train(config_from_dict(raw))
+    again = train(config_from_dict({**raw, "max_steps": 3}))
+    assert (first.steps, again.steps) == (2, 3)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]  # step 3 followed step 2, not a new step 1
+
+
 def test_multi_file_checkpoint_and_a_corrupted_handoff(corpus, tmp_path):
     """Shards + index (save_pretrained's max_shard_size) load to transformers' loss; a handoff whose
     weights no longer match its recorded sha256 is refused before any work."""

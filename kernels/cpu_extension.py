@@ -1,8 +1,12 @@
 """Builds (once per machine, with torch's JIT extension builder) and loads Baton's C++ CPU kernels.
 
-Only paged decode attention has one: on CPU the torch path gathers every sequence's K/V blocks into
-a padded copy before SDPA, and that copy, not the arithmetic, is most of a decode step's attention
-time. The C++ kernel reads the pools in place (csrc/paged_decode_cpu.cpp). Without a C++ compiler
+Paged decode attention: on CPU the torch path gathers every sequence's K/V blocks into a padded
+copy before SDPA, and that copy, not the arithmetic, is most of a decode step's attention time;
+the C++ kernel reads the pools in place (csrc/paged_decode_cpu.cpp). The fused elementwise ops
+(RMSNorm with its residual add, rotary of q and k: csrc/elementwise_cpu.cpp) replace 5-10 torch
+ops each, whose dispatch dominates at decode shapes; they are used only once something that
+serves (the model runner) has loaded the kernels - `loaded_cpu_kernels` - so training and tests
+never build them as a side effect. Without a C++ compiler
 the build fails once, a warning says so, and the torch path is used; BATON_CPU_KERNELS=0 skips it.
 """
 
@@ -22,7 +26,10 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "baton_cpu_kernels"
-SOURCES = [Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"]
+SOURCES = [
+    Path(__file__).resolve().parent / "csrc" / f
+    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp")
+]
 # -march=native: built for this CPU (the build folder is named after its flags, below);
 # -fopenmp: at::parallel_for splits the work between torch's threads only when OpenMP is on.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -68,3 +75,17 @@ def cpu_kernels() -> ModuleType | None:
             "could not build Baton's C++ CPU kernels (%s: %s); using the slower torch paths", type(e).__name__, last
         )
         return None
+
+
+def loaded_cpu_kernels(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled module for these tensors' elementwise op: only if cpu_kernels() already ran and
+    succeeded (never builds), the tensors are float32 or bfloat16 CPU tensors of one dtype, and
+    autograd does not need them (the kernels have no backward)."""
+    if not cpu_kernels.cache_info().currsize:
+        return None
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return cpu_kernels()

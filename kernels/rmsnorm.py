@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._utils import alloc, needs_grad, next_pow2, use_triton
+from .cpu_extension import loaded_cpu_kernels
 from .reference import rms_norm_ref
 
 
@@ -81,4 +82,8 @@ def rms_norm(x, weight, eps=1e-6, residual=None):
     """RMSNorm over the last dim; with residual returns (norm(x + residual), x + residual)."""
     if use_triton(x, weight) and not needs_grad(x, weight, *([residual] if residual is not None else [])):
         return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)  # plain torch is already the fast CPU path
+    cpu = loaded_cpu_kernels(x, weight, *([residual] if residual is not None else []))
+    if cpu is not None:  # serving on CPU: one C++ pass (csrc/elementwise_cpu.cpp)
+        out, h = cpu.rms_norm(x, weight, eps, residual)
+        return out if residual is None else (out, h)
+    return rms_norm_ref(x, weight, eps, residual)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._utils import alloc, needs_grad, next_pow2, use_triton
+from .cpu_extension import loaded_cpu_kernels
 from .reference import rotate_half
 
 
@@ -94,4 +95,7 @@ def apply_rotary(q, k, cos, sin):
     """Rotate q [T, Hq, D] and k [T, Hkv, D] by per-token cos/sin [T, D]; returns new (q, k)."""
     if use_triton(q, k, cos) and not needs_grad(q, k):
         return apply_rotary_triton(q, k, cos, sin)
+    cpu = loaded_cpu_kernels(q, k, cos, sin)
+    if cpu is not None and q.dim() == 3 and cos.dim() == 2:  # serving on CPU: C++, float32 math, one rounding
+        return cpu.rotary(q, k, cos, sin)
     return apply_rotary_torch(q, k, cos, sin)

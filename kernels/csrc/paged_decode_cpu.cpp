@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -205,8 +206,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("window"), py::arg("tail_mask") = py::none());
+// The new tokens' K/V [T, Hkv, D] into the pools at slot_mapping[t] = block * block_size + offset (-1
+// skips): one pass of row copies instead of torch's boolean mask, gather and index_put.
+void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+              k.scalar_type() == v.scalar_type(), "cache_write (CPU): K/V and the pools share one dtype");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k/v: [T, Hkv, D] with contiguous token rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+              k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2), "pools: contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == k.size(0), "slot_mapping: contiguous int64 [T]");
+  const int64_t tokens = k.size(0), slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= -1 && slot[t] < slots, "token ", t, ": slot ", slot[t], " is outside the pool of ", slots);
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_tok = k.stride(0) * k.element_size(), v_tok = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    std::memcpy(kd + slot[t] * row_bytes, ks + t * k_tok, row_bytes);
+    std::memcpy(vd + slot[t] * row_bytes, vs + t * v_tok, row_bytes);
+  }
 }

@@ -7,6 +7,9 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
+
 
 def test_stale_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_path):
     code = textwrap.dedent("""
@@ -34,3 +37,33 @@ def test_stale_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_p
     assert "could not build Baton's C++ CPU kernels" in run.stderr
     assert "using the slower torch paths" in run.stderr
     assert "removing a stale build lock" in run.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37])
+def test_fused_elementwise_ops_match_the_torch_references(dtype, tokens):
+    """The C++ RMSNorm (+ residual) and rotary against kernels/reference.py on strided views (the
+    fused QKV output's q and k), and the dispatchers use them once the kernels are loaded."""
+    from baton.kernels import apply_rotary, reference as ref, rms_norm
+    from baton.kernels.cpu_extension import cpu_kernels, loaded_cpu_kernels
+
+    m = cpu_kernels()
+    assert m is not None and loaded_cpu_kernels(torch.ones(1, dtype=dtype)) is m
+    g = torch.Generator().manual_seed(0)
+    x, res = (torch.randn(1, tokens, 96, generator=g).to(dtype) for _ in range(2))
+    w = torch.randn(96, generator=g).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2**-7}
+    out, h = m.rms_norm(x, w, 1e-6, res)
+    want, want_h = ref.rms_norm_ref(x, w, 1e-6, res)
+    assert torch.equal(h, want_h)  # the sum is rounded to the dtype exactly as torch rounds it
+    torch.testing.assert_close(out, want, **tol)
+    torch.testing.assert_close(m.rms_norm(x, w, 1e-6)[0], ref.rms_norm_ref(x, w, 1e-6), **tol)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, res)[0], want, **tol)
+    qkv = torch.randn(tokens, (4 + 2 * 2) * 32, generator=g).to(dtype)
+    q, k = qkv[:, :128].reshape(tokens, 4, 32), qkv[:, 128:192].reshape(tokens, 2, 32)
+    cos, sin = (torch.randn(tokens, 32, generator=g).to(dtype) for _ in range(2))
+    want_q, want_k = ref.apply_rotary_ref(q, k, cos, sin)
+    for got_q, got_k in (m.rotary(q, k, cos, sin), apply_rotary(q, k, cos, sin)):
+        torch.testing.assert_close(got_q, want_q, **tol)
+        torch.testing.assert_close(got_k, want_k, **tol)
+    assert loaded_cpu_kernels(x.requires_grad_()) is None  # no backward: autograd takes the torch path

@@ -1,0 +1,27 @@
+// The Python module of Baton's C++ CPU kernels (kernels/cpu_extension.py builds it from every file here).
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, int64_t window,
+                           std::optional<torch::Tensor> tail_mask);
+void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                 torch::Tensor slot_mapping);
+std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                                  std::optional<torch::Tensor> residual);
+std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+                                                torch::Tensor sin);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("window"), py::arg("tail_mask") = py::none());
+  m.def("cache_write", &cache_write, "new K/V rows into the paged pools at slot_mapping (-1 skips)", py::arg("k"),
+        py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally of x + residual: (out, x + residual or an undefined tensor)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
+  m.def("rotary", &rotary, "rotate_half rotary embedding of q and k [tokens, heads, head_dim]", py::arg("q"),
+        py::arg("k"), py::arg("cos"), py::arg("sin"));
+}

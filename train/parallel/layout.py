@@ -110,10 +110,9 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
             "are split across tensor-parallel ranks, not replicated)",
         )
         need(
-            model.intermediate_size % tp == 0,
+            model.num_local_experts > 0 or model.intermediate_size % tp == 0,  # (experts are not split)
             f"intermediate_size {model.intermediate_size} is not divisible by tp={tp}",
         )
-        need(model.num_local_experts == 0, "tensor parallelism of MoE experts is not supported (use tp=1)")
         need(
             not par.sequence_parallel or seq_len % (tp * par.cp) == 0,
             f"sequence parallelism needs seq_len {seq_len} divisible by tp x cp = {tp * par.cp}",

@@ -2,7 +2,9 @@
 
 Attention: q/k/v column-wise (each rank keeps whole heads, GQA key/value heads split the same
 way, so a rank's query heads find their key/value heads locally), o row-wise. MLP: gate/up
-column-wise, down row-wise. Embedding row-wise over the vocabulary (vocab-parallel: each rank looks
+column-wise, down row-wise; an MoE block is not split (TP covers the dense parts): it runs on the
+gathered sequence, replicated over tp (with parallel.ep its experts are dealt out over dp).
+Embedding row-wise over the vocabulary (vocab-parallel: each rank looks
 up its vocabulary slice, the partial results are summed) and the LM head column-wise over the
 vocabulary; with loss_parallel the logits stay sharded and cross-entropy reduces across ranks
 without ever gathering [tokens, vocab].
@@ -20,6 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -56,11 +59,20 @@ def apply_tp(chunk: ModelChunk, tp_mesh: DeviceMesh, sequence_parallel: bool, lo
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
             "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
         }
+        if hasattr(layer, "mlp"):
+            plan["mlp"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+            plan["mlp.gate_proj"] = ColwiseParallel()
+            plan["mlp.up_proj"] = ColwiseParallel()
+            plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        else:  # MoE: replicated over tp, on every token of the (gathered) sequence; see expert_parallel.py
+            plan["block_sparse_moe"] = PrepareModuleInputOutput(
+                input_layouts=(seq,),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(seq,),
+            )
         if norm is not None:
             plan["input_layernorm"] = plan["post_attention_layernorm"] = norm
         parallelize_module(layer, tp_mesh, plan)

@@ -1,4 +1,5 @@
-"""MoE training at every data-parallel layout equals one process: DDP, FSDP2, EP=2 and EP=2 x DP=2,
+"""MoE training at every data-parallel layout equals one process: DDP, FSDP2, EP=2, EP=2 x DP=2,
+TP=2 for the dense parts, and TP=2 x EP=2 (dp=2),
 with the router losses on, over 10 steps of micro-batches so small (8 tokens, 16 top-2 slots over
 8 experts) that experts get no tokens on some ranks (asserted); and EP checkpoints resume, at the
 same layout and at others.
@@ -54,7 +55,9 @@ CASES = {
     "ep2": dict(world=2, par=dict(dp=2, ep=2), save=True),
     "resume_ep2": dict(world=2, par=dict(dp=2, ep=2), resume="ep2"),
     "resume_fsdp2": dict(world=2, par=dict(dp=2), resume="ep2"),
+    "tp2": dict(world=2, par=dict(tp=2)),  # TP (with SP) for the dense parts, the MoE replicated
     "ep2_dp2": dict(world=4, par=dict(dp=4, ep=2)),
+    "tp2_ep2": dict(world=4, par=dict(dp=2, tp=2, ep=2)),
     "resume_ep2_dp2": dict(world=4, par=dict(dp=4, ep=2), resume="ep2"),
 }
 
@@ -106,25 +109,27 @@ def run_case(name: str, out: Path) -> None:
     from baton.train.parallel.parallelize import Parallel3D
 
     spec, rank, world = CASES[name], dist.get_rank(), dist.get_world_size()
-    per = GLOBAL_BATCH // world
-    layout = check_layout(ParallelConfig(**spec["par"]), MODEL, world, per, SEQ)
+    par = ParallelConfig(**spec["par"])
+    per = GLOBAL_BATCH // (world // par.tp)  # micro-batches of one sequence per data-parallel rank
+    layout = check_layout(par, MODEL, world, per, SEQ)
     model = build_model(MODEL, seed=0)
     attach_router_losses(model, AUX, Z, per)
-    engine = Parallel3D(model, build_mesh(layout), per, OPTIM)
+    mesh = build_mesh(layout)
+    engine = Parallel3D(model, mesh, per, OPTIM)
     start = 0
     if "resume" in spec:
         checkpoint.load(engine, out / spec["resume"] / f"step_{SAVE_AT}")
         start = SAVE_AT
     rec: dict = {"start": start, "losses": [], "norms": [], "grads": [], "weights_before": [], "zero": []}
     for step in range(start, STEPS):
-        rows = batch(step)[rank * per : (rank + 1) * per]
+        rows = batch(step)[mesh.rank("dp") * per : (mesh.rank("dp") + 1) * per]
         rec["weights_before"].append(engine.full_parameters())
         loss = engine.forward_backward(list(rows.chunk(per)))
         dist.all_reduce(loss)
         rec["grads"].append(engine.full_gradients())
         rec["zero"].append(router_metrics(model)["moe_zero_token_experts"])
         _, norm = engine.clip_and_step(OPTIM.lr, CLIP, True)
-        rec["losses"].append(loss.item() / world)
+        rec["losses"].append(loss.item() / world)  # tp ranks of a replica report the same loss
         rec["norms"].append(norm)
         if spec.get("save") and step + 1 == SAVE_AT:
             checkpoint.save(engine, out / name / f"step_{SAVE_AT}")

@@ -31,7 +31,6 @@ BAD = [
     (dict(tp=8), 8, 4, 16, {}, "num_attention_heads 4 is not divisible by tp=8"),
     (dict(tp=2), 2, 4, 16, dict(num_key_value_heads=1), "num_key_value_heads 1 is not divisible by tp=2"),
     (dict(tp=2), 2, 4, 16, dict(intermediate_size=63), "intermediate_size 63 is not divisible by tp=2"),
-    (dict(tp=2), 2, 4, 16, dict(num_local_experts=4), "tensor parallelism of MoE experts is not supported"),
     (dict(tp=2), 2, 4, 17, {}, "sequence parallelism needs seq_len 17 divisible by tp x cp = 2"),
     (dict(tp=2, dp_mode="ddp"), 4, 4, 16, {}, "dp_mode ddp cannot wrap tensor-parallel (DTensor) parameters"),
     (dict(pp=8), 8, 8, 16, {}, "8 pipeline stages (pp=8 x pp_stages_per_rank=1) but only 4 layers"),

@@ -20,6 +20,11 @@ tokens (the backward all-to-all delivers them), so the edp reduce-scatter divide
 edp, to give the mean over all data-parallel ranks, like every dense gradient. Every held expert
 runs on every step, with zero tokens too (MoE.always_run_experts): their FSDP2 all-gathers and
 reduce-scatters then match across the edp group whatever the routing.
+
+With tensor parallelism (tensor_parallel.py) the MoE block is not split: it receives the gathered
+sequence and runs replicated over the tp ranks, so each tp rank routes the same tokens and its
+ep group (the ranks with the same tp index) exchanges them as above; the router losses and every
+gradient are then the same on all tp ranks, as one process would compute them.
 """
 
 from __future__ import annotations

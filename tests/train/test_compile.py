@@ -23,7 +23,7 @@ from baton.train.compile import compile_layers
 from baton.train.config import RecomputeConfig, config_from_dict
 from baton.train.recompute import apply_recompute
 
-from .conftest import TINY
+from .conftest import TINY, run, train_args
 from .parallel.conftest import torchrun
 
 CFG = ModelConfig(
@@ -89,6 +89,24 @@ def test_training_loop_with_compile_follows_the_eager_run(recipe, tmp_path):
         torch.set_num_threads(threads)
     assert len(losses["eager"]) == 6
     assert_close(losses["compiled"], losses["eager"], rtol=1e-4, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc,overrides",
+    [(2, []), (1, ["backend=deepspeed", "deepspeed.stage=2"])],
+    ids=["ddp-2", "zero2-1"],
+)
+def test_baton_train_with_compile_under_ddp_and_deepspeed_follows_eager(recipe, tmp_path, nproc, overrides):
+    """`baton train` itself (torchrun for DDP): layers compiled before DDP / DeepSpeed wrap the model."""
+    losses = {}
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        out = tmp_path / name
+        args = train_args(recipe, out, [*overrides, "max_steps=4", "export=false", f"compile={flag}"])
+        run(nproc, args, tmp_path / f"{name}.log", timeout=600)
+        losses[name] = torch.tensor([json.loads(r)["loss"] for r in (out / "metrics.jsonl").read_text().splitlines()])
+    assert len(losses["eager"]) == 4
+    assert_close(losses["compiled"], losses["eager"], rtol=1e-5, atol=0)
 
 
 @pytest.mark.slow

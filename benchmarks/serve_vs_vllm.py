@@ -160,6 +160,10 @@ def driver_main(side: str, job_file: str, out_file: str) -> None:
     job = json.loads(Path(job_file).read_text())
     if job.get("baton_src"):
         install_baton_source(job["baton_src"])
+    if side == "build":  # a baseline's C++ kernels, built before any start-up is timed
+        from baton.kernels.cpu_extension import cpu_kernels
+
+        return print(cpu_kernels())
     result = (drive_vllm if side == "vllm" else drive_baton)(job)
     Path(out_file).write_text(json.dumps(result))
 
@@ -248,7 +252,7 @@ def run_side(side: str, python: str, job: dict, tmp: Path, env: dict) -> dict:
     job_file.write_text(json.dumps(job))
     t0 = time.time()
     proc = subprocess.run(
-        [python, __file__, "--driver", "vllm" if side == "vllm" else "baton", job_file, out_file],
+        [python, __file__, "--driver", side if side in ("vllm", "build") else "baton", job_file, out_file],
         env=env,
         capture_output=True,
         check=False,
@@ -257,6 +261,8 @@ def run_side(side: str, python: str, job: dict, tmp: Path, env: dict) -> dict:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"{side} driver failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    if side == "build":
+        return {}
     r = json.loads(out_file.read_text())
     r["startup_s"] = r.pop("ready_at") - t0
     r["tok_per_s"] = [r["output_tokens"] / s for s in r["runs_s"]]
@@ -292,7 +298,8 @@ def summarise(cell: dict, sides: list[str], params: int, ceiling: dict, dtype: s
         runs = cell["runs"][side]
         tok = max(t for r in runs for t in r["tok_per_s"])
         dec = {b: max(r["decode"][b] for r in runs) for b in runs[0]["decode"]}
-        gflops = ceiling[f"{'float32' if dtype == 'fp32' else 'bfloat16'}_decode64_gflops"]
+        dt = "float32" if dtype == "fp32" else "bfloat16"
+        gflops = max(v for k, v in ceiling.items() if k.startswith(dt))  # the best GEMM rate seen: the ceiling
         s[side] = {
             "best_tok_per_s": tok,
             "startup_s": min(r["startup_s"] for r in runs),
@@ -379,6 +386,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
+        if ref_src:
+            run_side("build", sys.executable, {"baton_src": ref_src}, tmp, thread_env(str(tmp / "ext-ref")))
         for name in args.models:
             results["ceilings"][name] = matmul_ceiling(name)
             for dtype in args.dtypes:
@@ -400,6 +409,8 @@ def main() -> None:
                         r = run_side(side, python, {**job, "baton_src": ref_src if ref else None}, tmp, env)
                         cell["runs"][side].append(r)
                         print(f"{name} {dtype} round {rnd} {side}: {max(r['tok_per_s']):.0f} tok/s", flush=True)
+                    again = matmul_ceiling(name)  # under load: keep the best rate seen in any round
+                    results["ceilings"][name] = {k: max(v, again[k]) for k, v in results["ceilings"][name].items()}
                 outputs = {s: cell["runs"][s][0].pop("outputs") for s in sides}
                 for runs in cell["runs"].values():
                     for r in runs:
@@ -417,9 +428,9 @@ def main() -> None:
                         )
                 cell["summary"] = summarise(cell, list(sides), matmul_params(name), results["ceilings"][name], dtype)
                 results["cells"][f"{name} {dtype}"] = cell
-    text = table(results)
-    results["table"] = text
-    (args.out / "serve_vs_vllm.json").write_text(json.dumps(results, indent=1))
+                results["table"] = table(results)  # after every cell: a long run killed midway keeps what it measured
+                (args.out / "serve_vs_vllm.json").write_text(json.dumps(results, indent=1))
+    text = results["table"]
     plot(results, args.out / "serve_vs_vllm.png")
     print(text)
     print(json.dumps(results["ceilings"], indent=1))

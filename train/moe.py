@@ -95,6 +95,15 @@ def attach_router_losses(model: nn.Module, aux_coef: float, z_coef: float, micro
     return len(layers)
 
 
+def set_loss_divisor(module: nn.Module, micro_batches: int) -> None:
+    """What the backend divides each micro-batch's loss by before its backward: a pipeline schedule
+    divides by 1 (it sums the micro-batches' gradients and divides them at the end, where the
+    router losses' gradients are divided too)."""
+    for m in module.modules():
+        if isinstance(m, MoE) and isinstance(m.router_loss, RouterLoss):
+            m.router_loss.micro_batches = micro_batches
+
+
 def router_metrics(model: nn.Module) -> dict[str, float]:
     """Mean load-balancing and z-loss since the last call over this rank's MoE layers (under a
     pipeline: the layers of its stages), and how many (layer, micro-batch) pairs left an expert

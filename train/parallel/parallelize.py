@@ -34,6 +34,7 @@ from baton.train.backends import COMPUTE_DTYPES, autocast, param_groups
 from baton.train.compile import compile_layers
 from baton.train.config import OptimConfig, RecomputeConfig
 from baton.train.distributed import rank_device
+from baton.train.moe import set_loss_divisor
 from baton.train.parallel.context_parallel import RingAttention, zigzag_indices, zigzag_shard
 from baton.train.parallel.data_parallel import apply_ddp, apply_fsdp
 from baton.train.parallel.expert_parallel import apply_ep, is_expert_parameter, shard_experts
@@ -133,6 +134,8 @@ class Parallel3D:
                 mesh.group("pp"),
                 self.device,
             )
+            for chunk in self.chunks:  # the schedule scales gradients, not losses, by 1/micro-batches
+                set_loss_divisor(chunk, 1)
 
     # ------------------------------------------------------------------------------ helpers
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:

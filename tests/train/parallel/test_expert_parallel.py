@@ -1,5 +1,5 @@
 """MoE training at every data-parallel layout equals one process: DDP, FSDP2, EP=2, EP=2 x DP=2,
-TP=2 for the dense parts, and TP=2 x EP=2 (dp=2),
+TP=2 for the dense parts, TP=2 x EP=2 (dp=2) and PP=2,
 with the router losses on, over 10 steps of micro-batches so small (8 tokens, 16 top-2 slots over
 8 experts) that experts get no tokens on some ranks (asserted); and EP checkpoints resume, at the
 same layout and at others.
@@ -56,6 +56,7 @@ CASES = {
     "resume_ep2": dict(world=2, par=dict(dp=2, ep=2), resume="ep2"),
     "resume_fsdp2": dict(world=2, par=dict(dp=2), resume="ep2"),
     "tp2": dict(world=2, par=dict(tp=2)),  # TP (with SP) for the dense parts, the MoE replicated
+    "pp2": dict(world=2, par=dict(pp=2)),  # the router losses' gradients injected inside pipeline stages
     "ep2_dp2": dict(world=4, par=dict(dp=4, ep=2)),
     "tp2_ep2": dict(world=4, par=dict(dp=2, tp=2, ep=2)),
     "resume_ep2_dp2": dict(world=4, par=dict(dp=4, ep=2), resume="ep2"),
@@ -104,13 +105,13 @@ def run_plain_ddp(name: str, out: Path) -> None:
 
 def run_case(name: str, out: Path) -> None:
     from baton.train.parallel import checkpoint
-    from baton.train.parallel.layout import ParallelConfig, check_layout
+    from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_size
     from baton.train.parallel.mesh import build_mesh
     from baton.train.parallel.parallelize import Parallel3D
 
     spec, rank, world = CASES[name], dist.get_rank(), dist.get_world_size()
     par = ParallelConfig(**spec["par"])
-    per = GLOBAL_BATCH // (world // par.tp)  # micro-batches of one sequence per data-parallel rank
+    per = GLOBAL_BATCH // data_parallel_size(par, world)  # micro-batches of one sequence per dp rank
     layout = check_layout(par, MODEL, world, per, SEQ)
     model = build_model(MODEL, seed=0)
     attach_router_losses(model, AUX, Z, per)
@@ -129,7 +130,7 @@ def run_case(name: str, out: Path) -> None:
         rec["grads"].append(engine.full_gradients())
         rec["zero"].append(router_metrics(model)["moe_zero_token_experts"])
         _, norm = engine.clip_and_step(OPTIM.lr, CLIP, True)
-        rec["losses"].append(loss.item() / world)  # tp ranks of a replica report the same loss
+        rec["losses"].append(loss.item() / world)  # the tp and pp ranks of a replica report the same loss
         rec["norms"].append(norm)
         if spec.get("save") and step + 1 == SAVE_AT:
             checkpoint.save(engine, out / name / f"step_{SAVE_AT}")

@@ -34,5 +34,11 @@ def apply_fsdp(
 
 
 def apply_ddp(chunks: list[ModelChunk], mesh: DeviceMesh) -> list[nn.Module]:
-    """The DDP wrappers to run (the chunks themselves keep the parameter names)."""
-    return [DistributedDataParallel(c, process_group=mesh.get_group()) for c in chunks]
+    """The DDP wrappers to run (the chunks themselves keep the parameter names). On CUDA each
+    chunk already sits on the rank's GPU, which DDP is told (device_ids), as it expects."""
+    wrappers = []
+    for c in chunks:
+        device = next(c.parameters()).device
+        ids = [device.index] if device.type == "cuda" else None
+        wrappers.append(DistributedDataParallel(c, device_ids=ids, process_group=mesh.get_group()))
+    return wrappers

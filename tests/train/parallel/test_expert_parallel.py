@@ -16,7 +16,6 @@ This file is also the torchrun script: `test_expert_parallel.py OUT CASE...`.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import sys

@@ -103,3 +103,27 @@ def test_selective_recompute_keeps_the_eager_core_checkpointed_and_says_what_it_
     assert "recomputing every RMSNorm and SwiGLU activation instead" in caplog.text
     layer = model.model.layers[0]
     assert type(layer.mlp).__name__ == "_RecomputedMLP" and type(layer.input_layernorm).__name__ == "_RecomputedNorm"
+
+
+def test_selective_with_a_fused_core_changes_no_number_in_a_moe_model():
+    """The experts' SwiGLU is recomputed too (Mixtral-style layers); gradients stay bit-identical."""
+    cfg = ModelConfig(
+        model_type="mixtral",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for mode in ("none", "selective"):
+        model = build_model(cfg, seed=0)
+        attn = apply_recompute(model, RecomputeConfig(mode), "sdpa")
+        lm_loss(model(batch[:, :-1], attn=attn), batch).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert type(model.model.layers[0].block_sparse_moe.experts[0]).__name__ == "_RecomputedExpert"
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

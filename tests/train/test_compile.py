@@ -124,6 +124,11 @@ def test_compiled_layers_under_fsdp2_pipeline_and_context_parallelism(tmp_path):
             continue
         assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=0)
         assert_close(torch.tensor(compiled["norms"]), torch.tensor(eager["norms"]), rtol=1e-4, atol=0)
+    # Why compile is refused with tp > 1: torch 2.13 gets a compiled tensor-parallel layer's gradients wrong
+    # (or fails). When this starts failing, torch has fixed it: lift the refusal in train/config.py.
+    rec = torch.load(tmp_path / "tp2_refused.rank0.pt")
+    compiled = rec["inductor"]
+    assert "error" in compiled or abs(compiled["norms"][0] - rec[None]["norms"][0]) > 1e-3 * rec[None]["norms"][0]
 
 
 @pytest.mark.parametrize(

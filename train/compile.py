@@ -7,9 +7,10 @@ block whatever the depth, and the wrappers around the layers - FSDP2's all-gathe
 reducer, DeepSpeed's engine, the pipeline schedule - stay eager. Only the layer's `forward` is
 compiled (an instance attribute, as full recomputation sets): the module keeps its hooks outside
 the compiled region and its parameter names (no `_orig_mod.` prefix), so checkpoints do not change.
-Full recomputation's checkpoint, tensor parallelism's DTensor plans and the attention core are
-traced into the graph; cores that launch their own kernels (Triton FlashAttention) or collectives
-(ring attention) run eagerly inside it.
+Full recomputation's checkpoint and the attention core are traced into the graph, except Triton
+FlashAttention, which launches its own kernels and runs eagerly inside it (torch.compiler.disable);
+context parallelism's ring attention is left to dynamo (tests/train/test_compile.py checks the
+numbers). Tensor parallelism is refused by the recipe check: see train/config.py.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """Training on CUDA, for a session that is lent a GPU: every backend's bf16 steps against CPU fp32
 losses, Baton's Triton FlashAttention against SDPA, and MFU against the device's peak.
 
-    python benchmarks/train_gpu.py            # on a GPU (about 3 minutes on one H200)
+    python benchmarks/train_gpu.py            # on a GPU (estimated 3-4 minutes on one H200: not yet run on one)
     python benchmarks/train_gpu.py --smoke    # no GPU: tiny model on the CPU (tests/benchmarks)
 
-Through the device tool (its image has torch and triton but not Baton's other dependencies):
+Through the device tool, one call (`baton train` needs Baton's training dependencies - deepspeed,
+datasets, tokenizers, safetensors, pyyaml, tqdm - beside the image's torch and triton; the script
+exits naming any that are missing, before any work; the device machine has no network, so they
+must already be in its image or be carried there):
 
-    python3 -m pip install -q --target /tmp/site . && \\
+    python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/site . && \
     PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/train_gpu.py --out $OUT 2>&1 | tee $OUT/log.txt
 
 1. Backends. `baton train`'s Trainer runs STEPS steps of one small model on the embedded corpus in

@@ -80,8 +80,10 @@ def cpu_kernels() -> ModuleType | None:
 def loaded_cpu_kernels(*tensors: torch.Tensor) -> ModuleType | None:
     """The compiled module for these tensors' elementwise op: only if cpu_kernels() already ran and
     succeeded (never builds), the tensors are float32 or bfloat16 CPU tensors of one dtype, and
-    autograd does not need them (the kernels have no backward)."""
-    if not cpu_kernels.cache_info().currsize:
+    autograd does not need them (the kernels have no backward). Never inside torch.compile: the
+    traced torch path is what a compiled (training) layer should fuse, and dynamo cannot trace
+    cache_info()."""
+    if torch.compiler.is_compiling() or not cpu_kernels.cache_info().currsize:
         return None
     dtype = tensors[0].dtype
     if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):

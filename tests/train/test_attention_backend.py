@@ -95,7 +95,8 @@ def test_triton_attention_refusals(monkeypatch):
 
 
 def test_selective_recompute_keeps_the_eager_core_checkpointed_and_says_what_it_does_for_fused_ones(caplog):
-    model = build_model(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1), seed=0)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    model = build_model(cfg, seed=0)
     assert isinstance(apply_recompute(model, RecomputeConfig("selective"), "eager"), SelectiveRecompute)
     with caplog.at_level(logging.WARNING, logger="baton.train.recompute"):
         core = apply_recompute(model, RecomputeConfig("selective"), "triton")

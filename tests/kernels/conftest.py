@@ -28,6 +28,7 @@ if not isinstance(flash_attention._flash_fwd_kernel, InterpretedFunction):
     )
 
 COMPILE_SCRIPT = Path(__file__).with_name("compile_all.py")
+COMPILE_TESTS = Path(__file__).with_name("test_compile.py")  # this directory's (tests/train has its own)
 _COMPILE_PROC = pytest.StashKey[subprocess.Popen]()
 
 
@@ -40,11 +41,11 @@ def _poison_and_seed(monkeypatch):
 
 def pytest_collection_modifyitems(session, config, items):
     """Compile checks last, so their background subprocess has the whole session to finish."""
-    items.sort(key=lambda item: item.path.name == "test_compile.py")  # stable: other order kept
+    items.sort(key=lambda item: item.path == COMPILE_TESTS)  # stable: other order kept
 
 
 def pytest_collection_finish(session):
-    names = sorted({item.callspec.params["case"] for item in session.items if item.path.name == "test_compile.py"})
+    names = sorted({item.callspec.params["case"] for item in session.items if item.path == COMPILE_TESTS})
     if names:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
         session.config.stash[_COMPILE_PROC] = subprocess.Popen(

@@ -154,11 +154,12 @@ def _op_builders() -> str | None:
 
 
 def _zero3_param_attributes() -> str | None:
-    """ZeRO-3 partitioned parameters' attributes that zero_memory.py reads."""
+    """ZeRO-3 partitioned parameters' attributes that zero_memory.py reads (and ds_shape, the whole
+    shape of a zero.Init placeholder, which param_groups and init_from read)."""
     from deepspeed.runtime.zero import partition_parameters
 
     src = inspect.getsource(partition_parameters)
-    gone = [a for a in ("ds_numel", "ds_tensor", "ds_persist") if not re.search(rf"\.{a}\s*=[^=]", src)]
+    gone = [a for a in ("ds_numel", "ds_tensor", "ds_persist", "ds_shape") if not re.search(rf"\.{a}\s*=[^=]", src)]
     return f"parameters no longer get {', '.join(gone)}" if gone else None
 
 
@@ -257,7 +258,14 @@ def private_api_checks() -> dict[str, tuple[str, Callable[[], str | None]]]:
             f"{ds}, zero_memory.py",
             lambda: assigns(Zero12, "single_partition_of_fp32_groups", "optimizer"),
         ),
-        "ZeRO-3 parameters' ds_numel, ds_tensor, ds_persist": ("zero_memory.py", _zero3_param_attributes),
+        "ZeRO-3 parameters' ds_numel, ds_tensor, ds_persist, ds_shape": (
+            "zero_memory.py, train/backends/__init__.py (param_groups), init_from",
+            _zero3_param_attributes,
+        ),
+        "deepspeed.zero.Init(config_dict_or_path=) (init_from under ZeRO-3)": (
+            f"{ds} (zero3_model)",
+            lambda: accepts(deepspeed.zero.Init, 1, "config_dict_or_path"),
+        ),
         "DeepSpeedCPUAdam(params, adamw_mode=, lr=, betas=, eps=), .opt_id, .ds_opt_adam": (
             ds,
             lambda: first(

@@ -37,8 +37,10 @@ STALE_LOCK_S = 600  # a build takes ~20 s; a lock this old was left by a process
 
 
 def build_directory() -> Path:
-    """One folder per Python, torch and CPU feature set, under torch's extensions root, so a home
-    directory shared between machines or venvs never loads a build made for another."""
+    """One folder per Python, torch, CPU feature set and source text, under torch's extensions root,
+    so a home directory shared between machines, venvs or checkouts of different versions never
+    loads (or rebuilds over) a build made for another: two checkouts would otherwise rebuild the
+    same folder back and forth, each waiting on the other's lock."""
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
@@ -47,7 +49,8 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cpu{cpu}"
+    src = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:8]
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cpu{cpu}-src{src}"
     return root / f"{NAME}-{tag}"
 
 

@@ -79,7 +79,10 @@ class ServerProcess:
         return self.proc.wait()
 
 
-def wait_until_serving(client, timeout_s: float = 120.0) -> None:
+def wait_until_serving(client, server: ServerProcess, timeout_s: float = 600.0) -> None:
+    """Until health says SERVING. The server listens before it loads the model, and on a machine's
+    first start it also builds the C++ CPU kernels (~20 s idle, minutes on a busy 2-core machine),
+    so the limit is generous; a server that exits meanwhile is reported at once, with its log."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -87,8 +90,12 @@ def wait_until_serving(client, timeout_s: float = 120.0) -> None:
                 return
         except Exception:  # noqa: BLE001 - not listening yet
             pass
+        if server.proc.poll() is not None:
+            raise RuntimeError("baton serve exited while loading:\n" + "".join(server.lines[-20:]))
         if time.monotonic() > deadline:
-            raise RuntimeError("baton serve never reported SERVING")
+            raise RuntimeError(
+                f"baton serve did not report SERVING within {timeout_s:.0f} s:\n" + "".join(server.lines[-20:])
+            )
         time.sleep(0.1)
 
 
@@ -126,7 +133,7 @@ def run_demo(out_dir: Path, steps: int | None = None, corpus: str | None = None)
     outputs = []
     try:
         with BatonClient(f"127.0.0.1:{server.port}", timeout=120) as client:
-            wait_until_serving(client)
+            wait_until_serving(client, server)
             print(f"[4/4] querying it over gRPC (greedy, {MAX_TOKENS} tokens):")
             for prompt in PROMPTS:
                 reply = client.complete(prompt, max_tokens=MAX_TOKENS, temperature=0.0)

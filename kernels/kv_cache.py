@@ -87,8 +87,9 @@ def reshape_and_cache_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """In place: k/v [T, Hkv, D] into pools [num_blocks, block_size, Hkv, D] at slot_mapping [T] int64."""
+    if use_triton(k, k_cache):
+        return reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
     cpu = loaded_cpu_kernels(k, v, k_cache, v_cache)
     if cpu is not None and k.stride(1) == v.stride(1) == k.shape[2] and k_cache.is_contiguous():  # serving on CPU
         return cpu.cache_write(k, v, k_cache, v_cache, slot_mapping.contiguous())
-    impl = reshape_and_cache_triton if use_triton(k, k_cache) else reshape_and_cache_torch
-    impl(k, v, k_cache, v_cache, slot_mapping)
+    reshape_and_cache_torch(k, v, k_cache, v_cache, slot_mapping)

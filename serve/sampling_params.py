@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from baton.serve.structured import StructuredOutputs
+
 SAMPLING_EPS = 1e-5  # temperatures below this run as greedy (vLLM's _SAMPLING_EPS)
 _INT32_MAX = 2**31 - 1  # the proto's int32 fields; nothing sane is larger
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -45,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always included)
     skip_special_tokens: bool = True
+    structured: StructuredOutputs | None = None  # constrain the output (serve/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +95,9 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if t >= vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids contains {bad[0]!r}, outside the vocabulary (0..{vocab_size - 1})")
+        if self.structured is not None:
+            need(isinstance(self.structured, StructuredOutputs), "structured must be a StructuredOutputs")
+            self.structured.validate()
 
     @property
     def greedy(self) -> bool:

@@ -84,6 +84,22 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    # vLLM's names for the scheduler and KV-cache switches users bring with them (None: the config's default)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per engine step (prefill chunks + decodes)"
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV blocks of common prompt prefixes between requests (default: on)",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts over steps so decodes never stall (default: on)",
+    )
     p.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=None, help="ranks that split every layer (vLLM's name)"
     )
@@ -177,6 +193,7 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            http_port=args.http_port,
             metrics_host=args.metrics_host,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
@@ -337,11 +354,28 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     _engine_flags(p, full=command == "generate")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("serve", help="serve a checkpoint over gRPC (Baton API, KServe v2/Triton, health, metrics)")
+    p = sub.add_parser(
+        "serve",
+        help="serve a checkpoint over gRPC (Baton API, KServe v2/Triton, health, metrics) and, with "
+        "--http-port, OpenAI's HTTP API",
+    )
     p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--model-name", default=None, help="name clients use (default: the directory's name)")
+    p.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="model_name",
+        default=None,
+        help="name clients use (vLLM's flag; --model-name is the older alias; default: the directory's name)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8001, help="gRPC port (0: any free port, logged)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) here (0: any; "
+        "default off)",
+    )
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (-1: off, 0: any)")
     p.add_argument(
         "--metrics-host",

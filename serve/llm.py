@@ -1,6 +1,8 @@
-"""The offline API: LLM(model_dir).generate(prompts, SamplingParams(...)), as in vLLM.
+"""The offline API: LLM(model_dir).generate(prompts, SamplingParams(...)) and .chat(messages), as in vLLM.
 
-A prompt is text, a list of token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]}.
+A prompt is text, a list of token ids, or vLLM's TokensPrompt {"prompt_token_ids": [...]}. Chat
+renders OpenAI-style messages with the checkpoint's chat_template (serve/openai/chat.py), the same
+rendering the HTTP server's /v1/chat/completions uses, so offline and served chat prompts agree.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class LLM:
                 ),
             )
         self.engine = LLMEngine.from_checkpoint(model, config, device=device, dtype=dtype)
+        self.model_dir = str(model)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -95,3 +98,22 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"}) or a list of them, each
+        rendered with the checkpoint's chat_template; ValueError if it has none."""
+        from baton.serve.openai.chat import render
+
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this checkpoint has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.engine.tokenizer.encode(render(self.model_dir, conv, add_generation_prompt)) for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -39,6 +39,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback unless widened on purpose
     port: int = 8001  # 0: any free port (logged)
     metrics_port: int | None = 8002  # None: no metrics endpoint
+    http_port: int | None = None  # the OpenAI-compatible HTTP API (serve/openai/); None: off, 0: any free port
     metrics_host: str = "127.0.0.1"  # /metrics has no auth: loopback (a local Prometheus agent) unless widened
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
@@ -69,7 +70,9 @@ class BatonServer:
         self._engine = engine
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
+        self._http = None  # serve/openai/http_server.HttpFront when http_port is set
 
     async def start(self) -> None:
         """Bind and answer (NOT_SERVING) before the model is loaded, so probes see us loading."""
@@ -107,6 +110,18 @@ class BatonServer:
             except OSError as e:
                 await server.stop(None)
                 raise ValueError(f"cannot serve metrics on {cfg.metrics_host}:{cfg.metrics_port}: {e}") from None
+        if cfg.http_port is not None:
+            from baton.serve.openai.http_server import HttpFront  # the web stack only when asked for
+
+            tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+            try:
+                self._http = HttpFront(self.rt, cfg.model, cfg.host, cfg.http_port, cfg.auth_token, tls)
+                await self._http.start()
+            except ValueError:
+                await server.stop(None)
+                self.rt.metrics.close()
+                raise
+            self.http_port = self._http.port
         log.info(
             "listening on %s:%d (%s), not serving until the model is loaded",
             cfg.host,
@@ -127,14 +142,16 @@ class BatonServer:
         await self.rt.attach(self._engine)
         mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
         metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
+        http = f"{cfg.host}:{self.http_port}" if self.http_port is not None else "off"
         log.info(
-            "ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s",
+            "ready: model=%s grpc=%s:%d tls=%s auth=%s metrics=%s http=%s",
             self.rt.model_name,
             cfg.host,
             self.port,
             "on" if cfg.tls_cert else "off",
             "on" if cfg.auth_token else "off",
             metrics,
+            http,
         )
 
     async def drain_and_stop(self) -> None:
@@ -148,6 +165,8 @@ class BatonServer:
             await asyncio.sleep(0.05)
         if adm.active:
             log.warning("drain timeout: cancelling %d requests still in flight", adm.active)
+        if self._http is not None:
+            await self._http.stop()
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._engine is not None:

@@ -18,6 +18,7 @@ pre-norms into linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -225,3 +226,44 @@ def megatron_to_baton(
         if not torch.equal(copy, embed):
             raise ValueError("tied embeddings: the last stage's output_layer copy differs from the embedding")
     return {k: t.contiguous() for k, t in out.items()}
+
+
+# ------------------------------------------------------------------ dist_checkpointing layout
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def to_dist_layout(
+    state_dict: Mapping[str, Tensor], cfg: ModelConfig, tp_size: int = 1, make_vocab_size_divisible_by: int = 128
+) -> dict[str, Tensor]:
+    """The global tensors of a megatron-core dist checkpoint (what GPTModel.sharded_state_dict
+    names): TE-spec names whatever the spec, each layer parameter stacked as [num_layers, ...], vocab
+    padded for a run at `tp_size`, tied embeddings stored once. Independent of the TP/PP layout."""
+    flat = baton_to_megatron(state_dict, cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by, spec="te")
+    if tp_size > 1:  # only the padding depends on the run's TP
+        vocab = padded_vocab_size(cfg.vocab_size, tp_size, make_vocab_size_divisible_by)
+        for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if key in flat:
+                flat[key] = _pad_rows(flat[key][: cfg.vocab_size], vocab)
+    out, layers = {}, {}
+    for key, t in flat.items():
+        m = _LAYER.match(key)
+        if m:
+            layers.setdefault(m.group(2), []).append(t)
+        else:
+            out[key] = t
+    out.update({f"decoder.layers.{name}": torch.stack(ts) for name, ts in layers.items()})
+    return out
+
+
+def from_dist_layout(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """Baton's state dict from a dist checkpoint's global tensors (the inverse of to_dist_layout)."""
+    flat: dict[str, Tensor] = {}
+    for key, t in tensors.items():
+        if key.startswith("decoder.layers."):
+            if t.shape[0] != cfg.num_hidden_layers:
+                raise ValueError(f"{key!r} stacks {t.shape[0]} layers, config has {cfg.num_hidden_layers}")
+            name = key.removeprefix("decoder.layers.")
+            flat.update({f"decoder.layers.{i}.{name}": t[i] for i in range(t.shape[0])})
+        else:
+            flat[key] = t
+    return megatron_to_baton(flat, cfg, spec="te")

@@ -67,6 +67,14 @@ _CUDA_MODULES = {
     "megatron.core.transformer.dot_product_attention": "causal mask",
     # transformer.utils.get_default_causal_mask: the causal mask of the local attention, device="cuda".
     "megatron.core.transformer.utils": "causal mask",
+    # dist_checkpointing.strategies.filesystem_async.FileSystemWriterAsync.preload_tensors: synchronize.
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "checkpoint writer sync",
+    # dist_checkpointing.strategies.state_dict_saver.save_state_dict_async_finalize: result flags on cuda.
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "save verification flags",
+    # dist_checkpointing.strategies.async_utils.AsyncCallsQueue: liveness flags on current_device().
+    "megatron.core.dist_checkpointing.strategies.async_utils": "async save flags",
+    # dist_checkpointing.exchange_utils.exchange_by_distribution: load buffers on "cuda".
+    "megatron.core.dist_checkpointing.exchange_utils": "load exchange buffers",
     # rerun_state_machine: torch.cuda.* in its RNG state capture on every forward_step.
     "megatron.core.rerun_state_machine": "rerun RNG capture",
 }
@@ -146,6 +154,7 @@ def activate() -> bool:
         importlib.import_module(name).torch = shim
     _patch_rng_tracker()
     _patch_torch_norm()
+    _patch_dp_zero_gather()
     _ACTIVE = True
     return True
 
@@ -163,6 +172,11 @@ def _patch_rng_tracker() -> None:
         return original(use_te_rng_tracker, True, *args, force_reset=force_reset, **kwargs)
 
     random.initialize_rng_tracker = initialize
+    # random._get_cuda_rng_state/_set_cuda_rng_state: CheckpointFunction (full and selective
+    # recompute) saves and restores the CUDA generator around the recomputed forward; on the CPU
+    # the caller (_get_all_rng_states/_set_all_rng_states) already does so for the CPU generator.
+    random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 def _patch_torch_norm() -> None:
@@ -187,6 +201,20 @@ def _patch_torch_norm() -> None:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def _patch_dp_zero_gather() -> None:
+    """distrib_optimizer.DistributedOptimizer.get_parameter_state_dp_zero: the fully_reshardable
+    save gathers the optimizer shards with use_gloo_comm=False, which moves them with .cuda();
+    the gloo path (the data-parallel gloo group, CPU tensors) is the same gather without CUDA."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.get_parameter_state_dp_zero
+
+    def gather(self, use_gloo_comm=True, *args, **kwargs):
+        return original(self, True, *args, **kwargs)
+
+    DistributedOptimizer.get_parameter_state_dp_zero = gather
 
 
 @contextlib.contextmanager

@@ -1,0 +1,315 @@
+"""megatron-core as a training backend: Baton's architecture as megatron's GPTModel, trained with
+megatron's own tensor/pipeline/data parallelism, schedules, DDP and (distributed) optimizer.
+
+The recipe's `megatron` section sets the layout (tp x pp x dp, virtual pipeline stages, sequence
+parallelism), recomputation and the distributed optimizer (baton.train.config.MegatronConfig).
+The model starts from the trainer's Baton model: its weights are laid out into each rank's
+GPTModel chunks by baton.common.megatron_layout, and the handoff is made from the same layout's
+inverse, so the server loads a Megatron run like any other. Checkpoints are megatron's own
+dist_checkpointing (fully reshardable: resumed at any tp/pp/dp) - baton.train.backends.megatron_ckpt.
+
+Without CUDA (tests, CI) megatron_compat makes megatron-core 0.16.1 run on the CPU over gloo.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from baton.common.config import ConfigError, ModelConfig
+from baton.common.megatron_layout import baton_to_megatron
+from baton.common.model import AttentionBackend, CausalLM
+from baton.train.backends import Layout, StepResult
+from baton.train.config import MegatronConfig, TrainConfig
+from baton.train.distributed import Dist, init_distributed
+
+MAKE_VOCAB_DIVISIBLE_BY = 1  # no padding beyond Baton's own vocabulary (it would change the softmax)
+
+
+def spec_kind() -> str:
+    """ "te" (TransformerEngine layers) where TransformerEngine is installed, else "local"."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return "local"
+    return "te"
+
+
+def transformer_config(mc: ModelConfig, m: MegatronConfig, precision: str):
+    """megatron's TransformerConfig for Baton's architecture: RMSNorm, SwiGLU as a gated linear
+    unit, GQA through query groups, q/k/v biases only where the model has them, no dropout."""
+    from megatron.core.transformer import TransformerConfig
+
+    recompute: dict[str, Any] = {}
+    if m.recompute == "selective":
+        recompute = {"recompute_granularity": "selective"}  # the attention core (megatron's default module)
+    elif m.recompute == "full":
+        recompute = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=mc.num_hidden_layers,
+        hidden_size=mc.hidden_size,
+        ffn_hidden_size=mc.intermediate_size,
+        num_attention_heads=mc.num_attention_heads,
+        num_query_groups=mc.num_key_value_heads,
+        kv_channels=mc.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=mc.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=mc.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=mc.initializer_range,
+        tensor_model_parallel_size=m.tp,
+        pipeline_model_parallel_size=m.pp,
+        virtual_pipeline_model_parallel_size=m.vp if m.vp > 1 else None,
+        sequence_parallel=m.sequence_parallel,
+        # Interleaved stages with batched p2p swap the peers' tensors on gloo and CPU: wrong
+        # gradients, no error (tests/train/test_megatron.py keeps this honest).
+        batch_p2p_comm=m.vp == 1,
+        bf16=precision == "bf16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **recompute,
+    )
+
+
+def build_chunks(mc: ModelConfig, tcfg, m: MegatronConfig) -> list:
+    """This rank's GPTModel chunks (one per virtual pipeline stage), on this rank's device."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if spec_kind() == "te":
+        layer = specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    chunks = []
+    for v in range(m.vp):
+        chunk = GPTModel(
+            tcfg,
+            layer,
+            vocab_size=mc.vocab_size,
+            max_sequence_length=mc.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v),
+            share_embeddings_and_output_weights=mc.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=mc.rope_theta,
+            vp_stage=v,
+        )
+        chunks.append(chunk.to(torch.cuda.current_device() if torch.cuda.is_available() else "cpu"))
+    return chunks
+
+
+def load_baton_weights(chunks: list, state_dict: dict[str, torch.Tensor], mc: ModelConfig, m: MegatronConfig) -> None:
+    """Fill this rank's chunks from whole Baton weights (megatron_layout); only the modules'
+    `_extra_state` entries may be left out."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    for v, chunk in enumerate(chunks):
+        shard = baton_to_megatron(
+            state_dict, mc, m.tp, tp_rank, m.pp, pp_rank, m.vp, MAKE_VOCAB_DIVISIBLE_BY, v, spec_kind()
+        )
+        missing, unexpected = chunk.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"megatron chunk {v}: missing {missing}, unexpected {unexpected}")
+
+
+def check_model(mc: ModelConfig, m: MegatronConfig) -> None:
+    """What GPTModel cannot train as Baton's architecture, refused before any work (the recipe
+    checks run this with the recipe's vocabulary; the backend again with the tokenizer's)."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"invalid megatron setup: {msg}")
+
+    need(mc.num_local_experts == 0, "MoE models are not supported by backend megatron (use torch3d)")
+    need(mc.sliding_window is None, "sliding-window attention is not supported by backend megatron")
+    need(mc.rope_scaling is None, "rope_scaling is not supported by backend megatron")
+    need(
+        not mc.attention_bias,
+        "attention_bias (an o_proj bias) has no megatron-core equivalent (add_bias_linear would bias the MLP too)",
+    )
+    need(
+        mc.vocab_size % m.tp == 0,
+        f"vocab_size {mc.vocab_size} is not divisible by megatron.tp={m.tp}: pad the vocabulary in the "
+        f"recipe (model.vocab_size: a multiple of {m.tp}); megatron's own zero-row padding would change the loss",
+    )
+    from baton.common.megatron_layout import check_layout
+
+    check_layout(mc, m.tp, m.pp, m.vp)
+
+
+class MegatronBackend:
+    def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
+        from baton.train.backends import megatron_compat
+
+        megatron_compat.activate()
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        m, mc = cfg.megatron, model.config
+        check_model(mc, m)
+        if not torch.distributed.is_initialized():  # megatron keeps its groups in torch.distributed
+            init_distributed(need_group=True)
+        self.cfg, self.m, self.mc, self.dist = cfg, m, mc, dist
+        self.layout = Layout("megatron", dist.world_size, precision=cfg.precision)
+        self.dp = dist.world_size // (m.tp * m.pp)
+        self.grad_clip, self.weight_decay = cfg.optim.grad_clip, cfg.optim.weight_decay
+        if ps.model_parallel_is_initialized():  # another run in this process: megatron keeps globals
+            ps.destroy_model_parallel()
+        ps.initialize_model_parallel(m.tp, m.pp, virtual_pipeline_model_parallel_size=m.vp if m.vp > 1 else None)
+        tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
+        self.tcfg = transformer_config(mc, m, cfg.precision)
+        chunks = build_chunks(mc, self.tcfg, m)
+        load_baton_weights(chunks, model.state_dict(), mc, m)
+        ddp_cfg = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=m.distributed_optimizer
+        )
+        self.chunks = [
+            DistributedDataParallel(self.tcfg, ddp_cfg, c, disable_bucketing=v > 0) for v, c in enumerate(chunks)
+        ]
+        o = cfg.optim
+        self.opt_cfg = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.beta1,
+            adam_beta2=o.beta2,
+            adam_eps=o.eps,
+            clip_grad=o.grad_clip,
+            bf16=cfg.precision == "bf16",
+            params_dtype=self.tcfg.params_dtype,
+            use_distributed_optimizer=m.distributed_optimizer,
+        )
+        with megatron_compat.cuda_type_names():
+            self.optimizer = get_megatron_optimizer(self.opt_cfg, self.chunks)
+        self.tcfg.no_sync_func = [c.no_sync for c in self.chunks]
+        if m.vp == 1:
+            self.tcfg.no_sync_func = self.tcfg.no_sync_func[0]
+        self.tcfg.finalize_model_grads_func = finalize_model_grads
+        self.forward_backward = get_forward_backward_func()
+        model.to("meta")  # the weights live in the chunks now; the bare model keeps only its structure
+        self.module = model
+        self.device = torch.device(torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    # ------------------------------------------------------------------------------- steps
+    def _forward_step(self, data_iterator, model):
+        batch = next(data_iterator).to(self.device)
+        tokens, labels = batch[:, :-1], batch[:, 1:]
+        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+        out = model(tokens, positions, None, labels=labels)  # per-token losses on the last stage
+        return out, _mean_loss
+
+    def _run(self, micro_batches: list[torch.Tensor], forward_only: bool) -> float:
+        """One pass of the pipeline schedule; the summed micro-batch losses, on every rank."""
+        from megatron.core import parallel_state as ps
+
+        losses = self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=[iter(micro_batches) for _ in self.chunks],
+            model=self.chunks,
+            num_microbatches=len(micro_batches),
+            seq_length=micro_batches[0].shape[1] - 1,
+            micro_batch_size=micro_batches[0].shape[0],
+            forward_only=forward_only,
+        )
+        mine = ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if mine:
+            total += sum(float(d["loss"]) for d in losses)
+        return self.dist.all_reduce_sum(total).item()
+
+    def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
+        from baton.train.backends import megatron_compat
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for c in self.chunks:
+            c.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        loss = self._run(micro_batches, forward_only=False) / (len(micro_batches) * self.dp)
+        opt = self.optimizer
+        opt.prepare_grads()  # the reduced gradients into the optimizer's (main) gradients
+        norm = float(opt.get_grad_norm())
+        applied = math.isfinite(loss) and math.isfinite(norm)
+        if applied:
+            for group in opt.param_groups:  # (megatron's own scheduler would set these: it is not used)
+                group["lr"] = lr * group.get("lr_mult", 1.0)
+                group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)  # 0 on norms, biases
+            if self.grad_clip > 0:
+                for o in getattr(opt, "chained_optimizers", [opt]):
+                    if o.get_parameters():
+                        with megatron_compat.cuda_type_names():
+                            clip_grad_by_total_norm_fp32(o.get_parameters(), self.grad_clip, norm)
+            opt.step_with_ready_grads()
+        return StepResult(loss, norm, applied)
+
+    @torch.no_grad()
+    def eval_loss(self, batch: torch.Tensor) -> float:
+        for c in self.chunks:
+            c.eval()
+        try:
+            parts = list(batch.chunk(self.m.pp)) if batch.shape[0] % self.m.pp == 0 else [batch]
+            return self._run(parts, forward_only=True) / (len(parts) * self.dp)
+        finally:
+            for c in self.chunks:
+                c.train()
+
+    # ------------------------------------------------------------------------- checkpoints
+    def save(self, directory) -> None:
+        from baton.train.backends import megatron_ckpt
+
+        megatron_ckpt.save(self, directory)
+
+    def load(self, directory, saved: Layout) -> None:
+        from baton.train.backends import megatron_ckpt
+
+        megatron_ckpt.load(self, directory, saved)
+
+    def memory(self) -> dict[str, Any]:
+        """Bytes of model state on this rank: parameters, gradient buffers, optimizer state."""
+        params = sum(p.numel() * p.element_size() for c in self.chunks for p in c.parameters())
+        grads = sum(
+            b.grad_data.numel() * b.grad_data.element_size()
+            for c in self.chunks
+            for b in c.buffers
+            if b.grad_data is not None
+        )
+        optim = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t)
+        )
+        return {
+            "accelerator": {"params": params, "grads": grads, "optimizer": optim},
+            "host": {},
+            "nvme": {},
+            "parameters": params // self.tcfg.params_dtype.itemsize,
+        }
+
+
+def _mean_loss(per_token: torch.Tensor):
+    """megatron's loss function: the micro-batch's mean token loss (the schedule divides it by the
+    number of micro-batches, DDP the gradients by the data-parallel size)."""
+    loss = per_token.float().mean()
+    return loss, {"loss": loss.detach().clone()}  # (the schedule divides `loss` in place)

@@ -22,17 +22,47 @@ from baton.common import errors
 COMMAND_MODULES = ("baton.train.cli", "baton.serve.cli")  # each has register(subparsers, command)
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from baton.common.hf import export_hf, import_hf
+CONVERT_OPTIONS = {  # direction -> the options it takes
+    "from_hf": {"dtype"},
+    "to_hf": set(),
+    "from_megatron": {"dtype", "config"},
+    "to_megatron": {"tp", "vocab_multiple"},
+}
+CONVERT_FLAGS = {
+    "dtype": "--dtype",
+    "config": "--config",
+    "tp": "--tp",
+    "vocab_multiple": "--make-vocab-size-divisible-by",
+}
 
+
+def _convert(args: argparse.Namespace) -> int:
+    direction = next(d for d in CONVERT_OPTIONS if getattr(args, d))
+    for option, flag in CONVERT_FLAGS.items():
+        if getattr(args, option) is not None and option not in CONVERT_OPTIONS[direction]:
+            raise ValueError(f"{flag} does not apply to --{direction.replace('_', '-')}")
     if args.from_hf:
+        from baton.common.hf import import_hf
+
         out = import_hf(args.src, args.out, dtype=args.dtype)
         print(f"Imported HF checkpoint {args.src} -> Baton checkpoint {out}")
-    else:
-        if args.dtype:
-            raise SystemExit("baton convert: --dtype applies to --from-hf only")
+    elif args.to_hf:
+        from baton.common.hf import export_hf
+
         out = export_hf(args.src, args.out)
         print(f"Exported Baton checkpoint {args.src} -> HF directory {out}")
+    elif args.from_megatron:
+        from baton.common.megatron_checkpoint import import_megatron
+
+        out = import_megatron(args.src, args.out, config=args.config, dtype=args.dtype)
+        print(f"Imported Megatron dist checkpoint {args.src} -> Baton checkpoint {out}")
+    else:
+        from baton.common.megatron_checkpoint import export_megatron
+
+        out = export_megatron(
+            args.src, args.out, tp_size=args.tp or 1, make_vocab_size_divisible_by=args.vocab_multiple or 128
+        )
+        print(f"Exported Baton checkpoint {args.src} -> Megatron dist checkpoint {out}")
     return 0
 
 
@@ -120,13 +150,31 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
             continue
         module.register(sub, command)
 
-    p = sub.add_parser("convert", help="convert between HF checkpoint directories and Baton checkpoints")
+    p = sub.add_parser(
+        "convert", help="convert HF directories and Megatron dist checkpoints to and from Baton checkpoints"
+    )
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", action="store_true", help="SRC is an HF directory (save_pretrained layout)")
     direction.add_argument("--to-hf", action="store_true", help="SRC is a Baton checkpoint")
+    direction.add_argument(
+        "--from-megatron",
+        action="store_true",
+        help="SRC is a megatron-core dist checkpoint (or a Megatron-LM save dir)",
+    )
+    direction.add_argument(
+        "--to-megatron", action="store_true", help="SRC is a Baton checkpoint; OUT a dist checkpoint"
+    )
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="cast while importing")
+    p.add_argument("--config", help="--from-megatron: the model's config.json or a checkpoint dir holding one")
+    p.add_argument("--tp", type=int, help="--to-megatron: pad the vocab for a Megatron run at this TP (default 1)")
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        dest="vocab_multiple",
+        type=int,
+        help="--to-megatron: Megatron's flag of that name (default 128)",
+    )
     p.set_defaults(func=_convert)
 
     p = sub.add_parser("info", help="print a checkpoint's config and provenance")

@@ -31,6 +31,8 @@ SPECS = ("local", "te")
 # ------------------------------------------------------------------------------------ layout
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, make_vocab_size_divisible_by: int = 128) -> int:
     """Megatron's padded vocab: a multiple of make_vocab_size_divisible_by * tp."""
+    if make_vocab_size_divisible_by < 1 or tp_size < 1:
+        raise ConfigError(f"make_vocab_size_divisible_by ({make_vocab_size_divisible_by}) and tp must be >= 1")
     multiple = make_vocab_size_divisible_by * tp_size
     return -(-vocab_size // multiple) * multiple
 

@@ -68,6 +68,8 @@ def _kv_cache_bytes(args: argparse.Namespace) -> int | None:
 
 def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     """The engine flags a reader needs most, by hand; with `full`, one derived flag per other field."""
+    from baton.serve.speculative import METHODS  # (no torch: `baton --help` stays instant)
+
     p.add_argument(
         "--kv-cache-mb",
         type=int,
@@ -106,7 +108,7 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=None, help="ranks that each hold a slice of the layers"
     )
-    p.add_argument("--speculative", choices=["ngram", "draft", "medusa"], default=None, help="speculative decoding")
+    p.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
     p.add_argument(

@@ -1,14 +1,17 @@
 """Speculative decoding: cheap proposals, one target pass to verify them, exact output.
 
-  * proposers.py - the Proposer protocol and its methods, each setting seq.spec_token_ids (and
+  * proposers.py - the Proposer base and its methods, each setting seq.spec_token_ids (and
                    seq.spec_parents for a tree): NgramProposer (prompt lookup: copy what followed
                    the last occurrence of the current suffix), DraftProposer (a small model with its
-                   own paged KV cache proposes k tokens, a chain or a SpecInfer-style tree of the
-                   draft's top alternatives), MedusaProposer (Medusa heads on the target's last
-                   hidden state propose a token tree)
+                   own paged KV cache proposes k tokens, a chain or EAGLE-2's dynamic tree over the
+                   draft's top-k), MedusaProposer (Medusa heads on the target's last hidden state:
+                   a chain, or a tree from the Cartesian product of the heads' top-k)
+  * lookahead.py - LookaheadProposer: Jacobi iteration trajectories in the verification pass feed
+                   an n-gram pool whose guesses are verified (lookahead decoding)
   * decoder.py   - SpeculativeDecoder, what the engine calls: proposals before the schedule,
                    verification after the forward (`choose`), adaptive k and the stats
-  * tree.py      - proposals as a token tree: building, packing (depths, attention mask), trimming
+  * tree.py      - proposals as a token tree: building (dynamic, fixed topology, trie), packing
+                   (depths, attention mask), trimming
   * config.py    - SpeculativeConfig, SpecStats, AdaptiveK
 
 Verification keeps the target's distribution exactly. At each node the candidates (children)
@@ -19,6 +22,15 @@ from the final residual. Greedy requests accept exactly the argmax. (Leviathan e
 Chen et al., 2023; Miao et al., 2023.)
 """
 
-from baton.serve.speculative.config import METHODS, SpecStats, SpeculativeConfig
+import importlib
 
-__all__ = ["METHODS", "SpecStats", "SpeculativeConfig"]
+METHODS = ("ngram", "draft", "medusa", "lookahead")  # `baton serve --speculative` offers these
+_LAZY = {"SpecStats": "baton.serve.speculative.config", "SpeculativeConfig": "baton.serve.speculative.config"}
+__all__ = ["METHODS", *_LAZY]
+
+
+def __getattr__(name: str):
+    """SpeculativeConfig and SpecStats on first use: METHODS alone stays cheap (`baton --help`)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

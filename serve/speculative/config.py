@@ -5,17 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.serve.sequence import Sequence
-
-METHODS = ("ngram", "draft", "medusa")
+from baton.serve.speculative import METHODS
+from baton.serve.speculative.tree import parse_choices
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft" | "medusa"
-    num_speculative_tokens: int = 4  # k (the most; adaptive k may use fewer)
+    method: str  # one of METHODS
+    num_speculative_tokens: int = 4  # k: the deepest proposal (adaptive k may use fewer)
     draft_model: str | None = None  # checkpoint dir, for method "draft"
     draft_kv_cache_bytes: int = 64 * 1024**2
-    tree_width: int = 1  # >1: a token tree with this many alternatives at each depth
+    tree_width: int = 1  # >1 (draft, medusa): a token tree, each expanded node's top-`tree_width` children
+    tree_nodes: int | None = None  # a tree's node budget (default k * tree_width)
+    tree_choices: str | None = None  # medusa: a fixed topology, JSON paths of top-k ranks ("[[0],[1],[0,0]]")
+    lookahead_window: int = 4  # W: Jacobi window positions (lookahead)
+    lookahead_ngram: int = 4  # N: n-gram size; N-1 Jacobi levels kept, guesses N-1 tokens deep
+    lookahead_guesses: int = 4  # G: n-gram guesses verified per step
     ngram_max: int = 4
     ngram_min: int = 1
     adaptive: bool = False  # adapt k per sequence from its running acceptance rate
@@ -32,6 +37,31 @@ class SpeculativeConfig:
             raise ValueError(f"disable_above_batch must be >= 1 (or None), got {self.disable_above_batch}")
         if self.tree_width < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need tree_width >= 1 and 1 <= ngram_min <= ngram_max")
+        if self.draft_model and self.method != "draft":
+            raise ValueError(f"draft_model is for speculative method 'draft', not {self.method!r}")
+        tree = self.tree_width > 1 or self.tree_nodes is not None or self.tree_choices is not None
+        if tree and self.method not in ("draft", "medusa"):
+            raise ValueError(
+                f"token trees (tree_width/tree_nodes/tree_choices) are for draft and medusa, not {self.method!r}"
+            )
+        if self.tree_nodes is not None and self.tree_nodes < 1:
+            raise ValueError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
+        if self.tree_choices is not None:
+            if self.method != "medusa" or self.tree_width > 1 or self.tree_nodes is not None:
+                raise ValueError(
+                    "tree_choices is a fixed Medusa topology: method 'medusa', without tree_width/tree_nodes"
+                )
+            parse_choices(self.tree_choices)
+        if self.method == "lookahead":
+            if self.adaptive:
+                raise ValueError("lookahead sizes its guesses by lookahead_ngram, not adaptive k")
+            if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_guesses < 1:
+                raise ValueError("lookahead needs lookahead_window >= 1, lookahead_ngram >= 2, lookahead_guesses >= 1")
+
+    @property
+    def node_budget(self) -> int:
+        """The most nodes a draft/Medusa token tree gets."""
+        return self.tree_nodes if self.tree_nodes is not None else self.num_speculative_tokens * self.tree_width
 
 
 @dataclass
@@ -39,6 +69,26 @@ class SpecStats:
     steps: int = 0  # verification passes
     proposed: int = 0
     accepted: int = 0
+    # Per depth d (index d - 1): passes that proposed a token that deep, and passes that accepted one.
+    proposed_by_depth: list[int] = field(default_factory=list)
+    accepted_by_depth: list[int] = field(default_factory=list)
+
+    def count(self, proposed: int, deepest: int, accepted: int) -> None:
+        """One verification pass: `proposed` candidates reaching `deepest`, `accepted` of them kept."""
+        self.steps += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        for counts, upto in ((self.proposed_by_depth, deepest), (self.accepted_by_depth, accepted)):
+            counts.extend([0] * (upto - len(counts)))
+            for d in range(upto):
+                counts[d] += 1
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """Share of the passes proposing depth d whose accepted path reached it."""
+        return [
+            a / p for a, p in zip(self.accepted_by_depth + [0] * len(self.proposed_by_depth), self.proposed_by_depth)
+        ]
 
     @property
     def acceptance_rate(self) -> float:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Protocol
-
 import numpy as np
 import torch
 
@@ -15,27 +13,35 @@ from baton.serve.model_runner import ModelRunner
 from baton.serve.sampler import target_distribution
 from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import SpeculativeConfig
-from baton.serve.speculative.tree import top_tree
+from baton.serve.speculative.tree import ScoredTree, choice_tree, clear_speculation, parse_choices
 
 
-class Proposer(Protocol):
-    """A proposal method, as the decoder drives it."""
+class Proposer:
+    """A proposal method, as the decoder drives it (the defaults: a proposer that keeps nothing)."""
 
-    wants_hidden: bool  # True: observe() is given the target's final hidden state of each new token (Medusa)
+    wants_hidden = False  # True: observe() is given the target's final hidden state of each new token (Medusa)
+    max_model_len = 1 << 62  # the context every proposal's rows must fit in (the decoder sets it)
 
     def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
         """Propose at most ks[seq.seq_id] tokens deep for each sequence (or nothing)."""
+        raise NotImplementedError
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The hidden state that produced seq's last token (only when wants_hidden)."""
+
+    def window_rows(self, seq: Sequence) -> int:
+        """How many of seq's last proposals are not candidates but rows the proposer itself needs
+        computed in the verification pass (lookahead's Jacobi window)."""
+        return 0
+
+    def window_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """The target's logits of those window rows, after verification (seq still running)."""
 
     def release(self, seq: Sequence) -> None:
         """seq is done (finished, aborted or failed): drop what is kept for it."""
 
 
-class NgramProposer:
-    wants_hidden = False
-
+class NgramProposer(Proposer):
     def __init__(self, cfg: SpeculativeConfig):
         self.cfg = cfg
 
@@ -50,18 +56,13 @@ class NgramProposer:
                     seq.spec_token_ids = toks[start : start + ks[seq.seq_id]].tolist()
                     break
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        pass
 
-    def release(self, seq: Sequence) -> None:
-        pass
-
-
-class DraftProposer:
+class DraftProposer(Proposer):
     """The draft keeps a mirror of each target sequence in its own paged cache; after each
-    verification the mirror is rolled back to the longest prefix it shares with the target."""
-
-    wants_hidden = False
+    verification the mirror is rolled back to the longest prefix it shares with the target.
+    A chain samples k tokens from the draft; a tree (tree_width > 1) is EAGLE-2's dynamic tree
+    over the draft's top-k (tree.py, ScoredTree): one draft pass per depth over the whole tree so
+    far, each node attending to its ancestors only."""
 
     def __init__(
         self,
@@ -111,9 +112,10 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
+        if self.cfg.tree_width > 1:
+            return self._propose_tree(seqs, ks)
         pairs = [(s, self._mirror(s)) for s in seqs]
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in seqs}
-        alts: dict[int, list[list[int]]] = {s.seq_id: [] for s in seqs}
         active = list(pairs)
         for depth in range(max(ks.values(), default=0)):
             batch = []
@@ -133,20 +135,61 @@ class DraftProposer:
                 token = int(torch.argmax(q)) if m.params.greedy else int(torch.multinomial(q, 1, generator=m.generator))
                 m.token_ids.append(token)
                 probs[s.seq_id].append(q)
-                if self.cfg.tree_width > 1:
-                    others = [int(t) for t in torch.topk(row, self.cfg.tree_width + 1).indices if int(t) != token]
-                    alts[s.seq_id].append([token] + others[: self.cfg.tree_width - 1])
         for s, m in pairs:
-            if len(m.token_ids) <= s.num_tokens:
-                continue
-            if self.cfg.tree_width > 1:
-                s.spec_token_ids, s.spec_parents = top_tree(alts[s.seq_id])
-            else:
+            if len(m.token_ids) > s.num_tokens:
                 s.spec_token_ids = m.token_ids[s.num_tokens :]
                 s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
 
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        pass
+    def _propose_tree(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
+        """Depth 1 from the pass that catches the mirror up; depth d + 1 from a pass over the root
+        (recomputed, so it is the one pending token) and the tree's nodes up to depth d."""
+        trees: dict[int, ScoredTree] = {}
+        frontier: dict[int, list[int]] = {}
+        batch = []
+        for s in seqs:
+            m = self._mirror(s)
+            n = m.num_tokens - m.num_computed_tokens
+            if self.bm.allocate_slots(m, n):
+                batch.append((s, m, n))
+        if not batch:
+            return
+        self.runner.apply_block_ops(self.bm.take_pending())
+        logits = self.runner.execute([(m, n) for _, m, n in batch]).logits.float().cpu()
+        for (s, m, n), row in zip(batch, logits):
+            m.num_computed_tokens += n
+            trees[s.seq_id] = ScoredTree(self.cfg.tree_width)
+            frontier[s.seq_id] = trees[s.seq_id].expand(-1, torch.softmax(row, -1))
+        live = [(s, m) for s, m, _ in batch]
+        for depth in range(1, max(ks[s.seq_id] for s, _ in live)):
+            step = []
+            for s, m in live:
+                t = trees[s.seq_id]
+                if depth >= ks[s.seq_id] or not frontier[s.seq_id]:
+                    continue
+                m.num_computed_tokens -= 1
+                m.spec_token_ids, m.spec_parents = list(t.tokens), list(t.parents)
+                if self.bm.allocate_slots(m, 1 + len(t.tokens)):
+                    step.append((s, m))
+                else:
+                    m.num_computed_tokens += 1
+                    clear_speculation(m)
+            if not step:
+                break
+            self.runner.apply_block_ops(self.bm.take_pending())
+            result = self.runner.execute([(m, 1 + len(m.spec_token_ids)) for _, m in step])
+            rows = result.logits.float().cpu()
+            at = 0
+            for s, m in step:
+                t, size = trees[s.seq_id], 1 + len(m.spec_token_ids)
+                probs = torch.softmax(rows[at : at + size], -1)
+                at += size
+                new = [c for i in t.frontier(frontier[s.seq_id]) for c in t.expand(i, probs[i + 1])]
+                frontier[s.seq_id] = new
+                m.num_computed_tokens += 1
+                clear_speculation(m)
+                self.bm.trim(m)  # the tree's slots: the next pass writes them again
+        for s, _ in live:
+            s.spec_token_ids, s.spec_parents = trees[s.seq_id].select(self.cfg.node_budget)
 
     def release(self, seq: Sequence) -> None:
         m = self.mirrors.pop(seq.seq_id, None)
@@ -154,8 +197,11 @@ class DraftProposer:
             self.bm.free(m)
 
 
-class MedusaProposer:
-    """Top-k of each Medusa head, read from the hidden state that produced the last token."""
+class MedusaProposer(Proposer):
+    """Top-k of each Medusa head, read from the hidden state that produced the last token. A tree
+    is their Cartesian product (head d's candidates at depth d + 1), either a fixed topology
+    (tree_choices, Medusa's `medusa_choices`) or EAGLE-2's dynamic rule by the product of the
+    heads' probabilities along the path (tree_width, tree_nodes)."""
 
     wants_hidden = True
 
@@ -165,6 +211,10 @@ class MedusaProposer:
         self.cfg = cfg
         self.heads = load_medusa(model_dir, device, dtype)
         self.hidden: dict[int, torch.Tensor] = {}
+        self.choices = parse_choices(cfg.tree_choices) if cfg.tree_choices is not None else None
+        num_heads = len(self.heads.heads)
+        if self.choices is not None and max(len(p) for p in self.choices) > num_heads:
+            raise ValueError(f"tree_choices goes deeper than the checkpoint's {num_heads} Medusa heads")
 
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         self.hidden[seq.seq_id] = hidden
@@ -174,29 +224,46 @@ class MedusaProposer:
         ready = [s for s in seqs if s.seq_id in self.hidden]
         if not ready:
             return
-        logits = self.heads(torch.stack([self.hidden[s.seq_id] for s in ready]))  # [heads, B, V]
-        width = self.cfg.tree_width
+        logits = self.heads(torch.stack([self.hidden[s.seq_id] for s in ready])).float().cpu()  # [heads, B, V]
+        width = max(self.cfg.tree_width, 1 + max((max(p) for p in self.choices or [(0,)])))
         top = torch.topk(logits, width, dim=-1).indices  # [heads, B, width]
         for b, s in enumerate(ready):
             depth = min(ks[s.seq_id], logits.shape[0])
-            cands = [top[h, b].tolist() for h in range(depth)]
-            if width == 1:
-                s.spec_token_ids = [c[0] for c in cands]
+            if self.choices is not None:
+                s.spec_token_ids, s.spec_parents = choice_tree(self.choices, [top[h, b].tolist() for h in range(depth)])
+            elif width == 1:
+                s.spec_token_ids = top[:depth, b, 0].tolist()
             else:
-                s.spec_token_ids, s.spec_parents = top_tree(cands)
+                s.spec_token_ids, s.spec_parents = self._dynamic(torch.softmax(logits[:depth, b], -1))
+
+    def _dynamic(self, probs: torch.Tensor) -> tuple[list[int], list[int]]:
+        """probs [depth, V]: every node at depth d has head d's candidates as children."""
+        t = ScoredTree(self.cfg.tree_width)
+        frontier = t.expand(-1, probs[0])
+        for d in range(1, probs.shape[0]):
+            frontier = [c for i in t.frontier(frontier) for c in t.expand(i, probs[d])]
+        return t.select(self.cfg.node_budget)
 
     def release(self, seq: Sequence) -> None:
         self.hidden.pop(seq.seq_id, None)
 
 
 def make_proposer(
-    cfg: SpeculativeConfig, model_dir: str | Path | None, vocab: int, device: torch.device, dtype: torch.dtype
+    cfg: SpeculativeConfig,
+    model_dir: str | Path | None,
+    vocab: int,
+    device: torch.device,
+    dtype: torch.dtype,
 ) -> Proposer:
     cfg.validate()
     if cfg.method == "ngram":
         return NgramProposer(cfg)
     if cfg.method == "draft":
         return DraftProposer(cfg, vocab, device, dtype)  # the draft runs where the target runs
+    if cfg.method == "lookahead":
+        from baton.serve.speculative.lookahead import LookaheadProposer
+
+        return LookaheadProposer(cfg)
     if model_dir is None:
         raise ValueError("Medusa needs the checkpoint directory holding medusa.safetensors")
     return MedusaProposer(cfg, model_dir, device, dtype)

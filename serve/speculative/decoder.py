@@ -20,7 +20,7 @@ from baton.serve.sampler import SampleResult, logprobs_of, target_distribution
 from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import AdaptiveK, SpecStats, SpeculativeConfig
 from baton.serve.speculative.proposers import Proposer
-from baton.serve.speculative.tree import chain_parents, clear_speculation
+from baton.serve.speculative.tree import chain_parents, clear_speculation, tree_depths
 
 
 def choose(p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, generator, greedy: bool) -> tuple[int, int]:
@@ -54,8 +54,10 @@ class SpeculativeDecoder:
         self.config, self.proposer = config, proposer
         self.runner, self.bm = runner, block_manager
         self.max_model_len = max_model_len
+        proposer.max_model_len = max_model_len
         self.stats = SpecStats()
-        self.adaptive_k = AdaptiveK(config.num_speculative_tokens, config.adaptive)
+        k = config.lookahead_ngram - 1 if config.method == "lookahead" else config.num_speculative_tokens
+        self.adaptive_k = AdaptiveK(k, config.adaptive)
 
     @property
     def wants_hidden(self) -> bool:
@@ -84,8 +86,10 @@ class SpeculativeDecoder:
         """Accept the longest verified path of seq's proposals, given the logits (and hidden states)
         of its rows in the forward: root first, then one row per proposal. `append` adds a token
         to seq (and may finish it)."""
-        proposals = seq.spec_token_ids
+        window = self.proposer.window_rows(seq)  # trailing rows that are not candidates (lookahead)
+        proposals = seq.spec_token_ids[: len(seq.spec_token_ids) - window]
         parents = seq.spec_parents if seq.spec_parents is not None else chain_parents(len(proposals))
+        parents = parents[: len(proposals)]
         draft_probs = seq.spec_draft_probs
         clear_speculation(seq)
         children: dict[int, list[int]] = {}
@@ -106,11 +110,11 @@ class SpeculativeDecoder:
             node = kids[idx]
             path.append(node)
             seq.num_computed_tokens += 1  # the accepted proposal's K/V is valid
-        self.stats.steps += 1
-        self.stats.proposed += len(proposals)
-        self.stats.accepted += len(path)
+        self.stats.count(len(proposals), max(tree_depths(parents), default=0), len(path))
         if not seq.is_finished:  # a finished sequence was already released (its rate forgotten)
             self.adaptive_k.update(seq, len(proposals), len(path))
+            if window:
+                self.proposer.window_logits(seq, logits[len(logits) - window :])
         if not seq.is_finished:
             bs = self.bm.block_size
             slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731

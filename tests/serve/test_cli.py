@@ -94,7 +94,7 @@ def test_derived_flags_reach_the_config(served, tmp_path):
                 "--model",
                 str(tmp_path),
                 "--speculative",
-                "ngram",
+                "medusa",
                 "--speculative-tree-width",
                 "3",
                 "--num-speculative-tokens",
@@ -107,7 +107,7 @@ def test_derived_flags_reach_the_config(served, tmp_path):
         == 0
     )
     s = served[1].engine.speculative
-    assert (s.method, s.tree_width, s.num_speculative_tokens, s.adaptive, s.ngram_max) == ("ngram", 3, 5, True, 6)
+    assert (s.method, s.tree_width, s.num_speculative_tokens, s.adaptive, s.ngram_max) == ("medusa", 3, 5, True, 6)
 
 
 def test_unset_flags_keep_the_dataclass_defaults(served, tmp_path):

@@ -57,7 +57,23 @@ def spec_modes(d):
         "draft-tree": SpeculativeConfig("draft", 3, draft_model=str(d / "agreeing"), tree_width=3),
         "medusa-chain": SpeculativeConfig("medusa", 3),
         "medusa-tree": SpeculativeConfig("medusa", 3, tree_width=2),
+        "medusa-choices": SpeculativeConfig("medusa", 3, tree_choices=MEDUSA_CHOICES),
+        "lookahead": SpeculativeConfig("lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_guesses=3),
     }
+
+
+MEDUSA_CHOICES = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"  # a fixed topology, as Medusa's medusa_choices
+MODES = [
+    "ngram",
+    "ngram-adaptive",
+    "draft",
+    "draft-agreeing",
+    "draft-tree",
+    "medusa-chain",
+    "medusa-tree",
+    "medusa-choices",
+    "lookahead",
+]
 
 
 PROMPT_LENGTHS = (4, 37, 11, 60, 18)
@@ -69,9 +85,7 @@ def _prompts():
     return prompts + [[7, 8, 9, 10, 11] * 8]  # repetitive: n-gram lookup has something to find
 
 
-@pytest.mark.parametrize(
-    "mode", ["ngram", "ngram-adaptive", "draft", "draft-agreeing", "draft-tree", "medusa-chain", "medusa-tree"]
-)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("pressure", ["roomy", "preempting"])
 def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     d, target = models
@@ -91,7 +105,7 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
     assert engine.speculative.stats.proposed > 0
-    if mode == "draft-agreeing" or mode == "ngram":
+    if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead"):
         assert engine.speculative.stats.accepted > 0
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
@@ -101,16 +115,14 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
         )
 
 
-def test_prefix_caching_with_speculation(models):
+@pytest.mark.parametrize("mode", ["draft-agreeing", "draft-tree", "lookahead"])
+def test_prefix_caching_with_speculation(models, mode):
     d, target = models
     shared = list(range(1, 41))
     prompts = [shared + [50 + i, 60 + i] for i in range(4)]
     expected = [greedy_generate(target, torch.tensor([p]), 20)[0].tolist() for p in prompts]
     engine = LLMEngine.from_checkpoint(
-        d / "target",
-        EngineConfig(
-            num_kv_blocks=64, block_size=8, speculative=SpeculativeConfig("draft", 4, draft_model=str(d / "agreeing"))
-        ),
+        d / "target", EngineConfig(num_kv_blocks=64, block_size=8, speculative=spec_modes(d)[mode])
     )
     assert (
         run_staggered(engine, prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), every=3)
@@ -139,7 +151,7 @@ def test_choose_preserves_the_target_distribution():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["draft", "ngram", "medusa-tree"])
+@pytest.mark.parametrize("mode", ["draft", "ngram", "medusa-tree", "draft-tree", "medusa-choices", "lookahead"])
 def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     """Engine level, tiny vocabulary: the empirical distribution of the 2nd and 3rd generated
     tokens matches the target model's exact marginals (enumerated), within a TV bound."""
@@ -155,6 +167,9 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
         "draft": SpeculativeConfig("draft", 3, draft_model=str(tmp_path / "dr")),
         "ngram": SpeculativeConfig("ngram", 3, ngram_min=1),
         "medusa-tree": SpeculativeConfig("medusa", 2, tree_width=2),
+        "draft-tree": SpeculativeConfig("draft", 2, draft_model=str(tmp_path / "dr"), tree_width=2, tree_nodes=4),
+        "medusa-choices": SpeculativeConfig("medusa", 2, tree_choices="[[0], [1], [2], [0, 0], [1, 0]]"),
+        "lookahead": SpeculativeConfig("lookahead", lookahead_window=2, lookahead_ngram=3, lookahead_guesses=2),
     }[mode]
     prompt = [1, 2, 1, 2, 1]
     engine = LLMEngine.from_checkpoint(

@@ -24,7 +24,7 @@ from baton.train.deepspeed_config import check_ds_config, check_zero
 from baton.train.distributed import read_launch
 from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
 
-BACKENDS = ("torch", "deepspeed", "torch3d")
+BACKENDS = ("torch", "deepspeed", "torch3d", "megatron")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 RECOMPUTE_MODES = ("none", "selective", "full")
 # precision -> the dtype the forward and backward compute in (and the handoff is written in); the
@@ -75,6 +75,18 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """backend megatron's layout and options (baton.train.backends.megatron): tp x pp x dp, dp the rest."""
+
+    tp: int = 1  # tensor parallel: heads, MLP width and vocabulary split across ranks
+    pp: int = 1  # pipeline parallel: layers split into stages
+    vp: int = 1  # virtual pipeline stages per pipeline rank (> 1: the interleaved 1F1B schedule)
+    sequence_parallel: bool = False  # with tp > 1: norms and residuals sharded along the sequence
+    recompute: str = "none"  # none | selective (the attention core) | full (every layer)
+    distributed_optimizer: bool = False  # optimizer state (and fp32 master weights) sharded over dp
+
+
+@dataclass
 class RecomputeConfig:
     mode: str = "none"  # none | selective (attention core only, Megatron) | full (whole layers)
     every_n_layers: int = 1  # full: recompute layers 0, N, 2N, ...
@@ -122,6 +134,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile every decoder layer's forward (baton.train.compile)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # torch3d: the dp x pp x cp x tp layout
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend megatron: layout and options
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router loss coefficients
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -142,11 +155,17 @@ class TrainConfig:
         self.validate()
 
     def data_parallel_size(self, world_size: int) -> int:
-        """Model replicas sharing each global batch: every rank, except under torch3d's tp/pp/cp."""
+        """Model replicas sharing each global batch: every rank, except under torch3d's tp/pp/cp and
+        megatron's tp/pp."""
+        if self.backend == "megatron":
+            return max(1, world_size // (self.megatron.tp * self.megatron.pp))
         return data_parallel_size(self.parallel, world_size) if self.backend == "torch3d" else world_size
 
     def data_parallel_rank(self, rank: int, world_size: int) -> int:
-        """Which share of each global batch `rank` trains on."""
+        """Which share of each global batch `rank` trains on (megatron's rank order is tp fastest,
+        then dp, then pp, as torch3d's mesh)."""
+        if self.backend == "megatron":
+            return (rank // self.megatron.tp) % self.data_parallel_size(world_size)
         return data_parallel_rank(self.parallel, rank, world_size) if self.backend == "torch3d" else rank
 
     def accum_steps(self, data_parallel_size: int) -> int:
@@ -206,6 +225,7 @@ class TrainConfig:
         self._validate_compute(need)
         self._validate_backend(need, data_parallel_size)
         self._validate_parallel(need)
+        self._validate_megatron(need)
         self._validate_moe(need)
         r = self.recompute
         need(r.mode in RECOMPUTE_MODES, f"recompute.mode must be one of {RECOMPUTE_MODES}, got {r.mode!r}")
@@ -396,6 +416,65 @@ class TrainConfig:
             self.data.seq_len,
         )
 
+    def _validate_megatron(self, need) -> None:
+        """backend megatron: megatron-core present at the pinned version, the layout against the
+        launcher's world size and the model, options megatron would reject or silently ignore."""
+        m = self.megatron
+        if self.backend != "megatron":
+            need(m == MegatronConfig(), "the megatron section needs backend: megatron")
+            return
+        for name in ("tp", "pp", "vp"):
+            v = getattr(m, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"megatron.{name} must be >= 1, got {v!r}")
+        need(
+            m.recompute in RECOMPUTE_MODES, f"megatron.recompute must be one of {RECOMPUTE_MODES}, got {m.recompute!r}"
+        )
+        need(
+            self.recompute == RecomputeConfig(),
+            "backend megatron recomputes with megatron's own granularities: set megatron.recompute, not recompute.mode",
+        )
+        need(not self.compile, "compile: true is not supported by backend megatron")
+        need(self.attention == "sdpa", "backend megatron uses megatron's attention core: leave attention at sdpa")
+        need(
+            self.precision in ("fp32", "bf16"), f"backend megatron runs fp32 or bf16, got precision {self.precision!r}"
+        )
+        need(not self.init_from, "init_from is not supported by backend megatron yet")
+        need(not m.sequence_parallel or m.tp > 1, "megatron.sequence_parallel needs megatron.tp > 1")
+        need(
+            not m.sequence_parallel or self.data.seq_len % m.tp == 0,
+            f"megatron.sequence_parallel needs data.seq_len {self.data.seq_len} divisible by tp={m.tp}",
+        )
+        need(m.vp == 1 or m.pp > 1, "megatron.vp > 1 (interleaved pipeline) needs megatron.pp > 1")
+        try:
+            import megatron.core
+        except ImportError:
+            need(False, "backend megatron needs megatron-core: pip install -e '.[megatron]'")
+        from baton.train.backends.megatron_compat import PINNED
+
+        need(
+            torch.cuda.is_available() or megatron.core.__version__ == PINNED,
+            f"backend megatron on a machine without CUDA needs megatron-core=={PINNED} (its CPU patches are "
+            f"pinned), found {megatron.core.__version__}",
+        )
+        world = read_launch().world_size
+        need(
+            world % (m.tp * m.pp) == 0,
+            f"world size {world} is not divisible by megatron.tp x megatron.pp = {m.tp} x {m.pp}",
+        )
+        accum = self.accum_steps(max(1, world // (m.tp * m.pp)))
+        need(
+            m.pp == 1 or accum >= m.pp,
+            f"megatron's pipeline schedules need at least pp={m.pp} micro-batches per step, got {accum} "
+            "(raise global_batch_size or grad_accum_steps)",
+        )
+        need(
+            m.vp == 1 or accum % m.pp == 0,
+            f"megatron's interleaved schedule needs the micro-batches per step ({accum}) to be a multiple of pp={m.pp}",
+        )
+        from baton.train.backends.megatron import check_model
+
+        check_model(self.model_config(vocab_size=self.model.get("vocab_size", 1024)), m)
+
     def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer. The recipe's
         model section may pad the vocabulary, but not shrink it below the tokenizer's or give the
@@ -439,6 +518,7 @@ _SECTIONS = {
     "checkpoint": CheckpointConfig,
     "logging": LoggingConfig,
     "parallel": ParallelConfig,
+    "megatron": MegatronConfig,
 }
 
 

@@ -124,6 +124,10 @@ def build_backend(
         from baton.train.backends.deepspeed import DeepSpeedBackend
 
         return DeepSpeedBackend(cfg, model, attn, dist, pretrained)
+    if cfg.backend == "megatron":
+        from baton.train.backends.megatron import MegatronBackend
+
+        return MegatronBackend(cfg, model, attn, dist)
     if cfg.backend == "torch3d":
         from baton.train.backends.torch3d import Torch3DBackend
 

@@ -35,11 +35,12 @@ def completion_logprobs(
 
 
 def _top(tok: Tokenizer, chosen: int, lp: TokenLogprobs, k: int | None) -> dict[str, float]:
-    """The chosen token and the k most likely (the engine's dict holds exactly those)."""
+    """The chosen token and the k most likely (the engine's dict holds exactly those), keyed by text."""
     ranked = sorted(lp.items(), key=lambda kv: -kv[1])
-    keep = dict(ranked[:k]) if k is not None else dict(ranked)
-    keep.setdefault(chosen, lp[chosen])
-    return {_piece(tok, t): v for t, v in keep.items()}
+    out = {_piece(tok, chosen): lp[chosen]}
+    for t, v in ranked[:k] if k is not None else ranked:
+        out.setdefault(_piece(tok, t), v)  # pieces that decode alike share a key: the chosen, then the likelier
+    return out
 
 
 def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[TokenLogprobs], k: int) -> dict:

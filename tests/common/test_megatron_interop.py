@@ -4,7 +4,10 @@ and Baton's logits, from baton_to_megatron's state dict and from a dist checkpoi
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,12 @@ from baton.common.model import build_model
 MODELS = {
     "qwen2-gqa-bias": {"num_key_value_heads": 2, "qkv_bias": True, "model_type": "qwen2"},
     "llama-mqa-tied": {"num_key_value_heads": 1, "tie_word_embeddings": True},
+    "qwen2-mqa-bias-tied": {
+        "num_key_value_heads": 1,
+        "qkv_bias": True,
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+    },
 }
 SEQ = 12
 
@@ -58,7 +67,7 @@ def megatron():
     dist.destroy_process_group()
 
 
-def gpt_model(cfg: ModelConfig, vocab: int):
+def gpt_model(cfg: ModelConfig, vocab: int, tp: int = 1):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -84,6 +93,7 @@ def gpt_model(cfg: ModelConfig, vocab: int):
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp,
     )
     model = GPTModel(
         tc,
@@ -142,6 +152,18 @@ def test_dist_checkpoint_round_trip_through_gpt_model(megatron, tmp_path):
     original, back = load_state_dict(tmp_path / "baton"), load_state_dict(tmp_path / "back")
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in original)
+
+
+@pytest.mark.slow
+def test_tp_shards_in_megatron_give_baton_logits(tmp_path):
+    """TP=2 with one KV head: each rank's shard in its GPTModel, the gathered logits Baton's."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "tp.json"
+    script = Path(__file__).with_name("megatron_tp_run.py")
+    subprocess.run([sys.executable, str(script), "2", str(out)], check=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["vocab"] == padded_vocab_size(200, 2) and result["ref_std"] > 0.1
+    assert result["max_abs_diff"] < 1e-5, result
 
 
 @pytest.mark.parametrize("pp,vp", [(2, 1), (2, 2), (4, 2)])

@@ -15,6 +15,7 @@ from baton.common.checkpoint import load_state_dict, save_model
 from baton.common.cli import main
 from baton.common.config import ModelConfig
 from baton.common.errors import UserError
+from baton.common.hf import config_to_hf
 from baton.common.megatron_layout import baton_to_megatron, layer_range, padded_vocab_size
 from baton.common.model import build_model
 
@@ -152,6 +153,32 @@ def test_dist_checkpoint_round_trip_through_gpt_model(megatron, tmp_path):
     original, back = load_state_dict(tmp_path / "baton"), load_state_dict(tmp_path / "back")
     assert original.keys() == back.keys()
     assert all(torch.equal(original[k], back[k]) for k in original)
+
+
+def test_megatron_written_checkpoint_to_hf_gives_megatrons_logits(megatron, tmp_path):
+    """Weights that never were Baton's: a GPTModel's own dist checkpoint -> --from-megatron (the
+    config given with --config) -> --to-hf -> transformers gives the GPTModel's logits."""
+    import transformers
+    from megatron.core import dist_checkpointing
+
+    cfg = baton_model("qwen2-gqa-bias").config
+    vocab = padded_vocab_size(200)
+    gpt = gpt_model(cfg, vocab)
+    with torch.no_grad():
+        for p in gpt.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.2)
+    (tmp_path / "meg").mkdir()
+    dist_checkpointing.save(gpt.sharded_state_dict(), str(tmp_path / "meg"))
+    (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
+    config = str(tmp_path / "config.json")
+    assert main(["convert", "--from-megatron", str(tmp_path / "meg"), str(tmp_path / "b"), "--config", config]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "b"), str(tmp_path / "hf")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 200, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = megatron_logits(gpt, tokens)[..., :200]
+        err = (hf(tokens).logits - ref).abs().max().item()
+    assert ref.std() > 0.1 and err < 1e-4, err
 
 
 @pytest.mark.slow

@@ -34,6 +34,7 @@ from baton.serve.block_manager import BlockManager
 from baton.serve.detokenizer import IncrementalDetokenizer
 from baton.serve.kv_budget import kv_budget_bytes
 from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
+from baton.serve.grammar import GrammarCache, prune_proposals
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
 from baton.serve.parallel.config import ParallelConfig
@@ -140,6 +141,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self.eos_ids = self._eos_ids()
+        self.grammars = GrammarCache(tokenizer, self.vocab_size, self.eos_ids)  # structured outputs
         self.num_generated_tokens = 0
         self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
         self._failed: list[RequestState] = []  # failed during the current step, which reports them
@@ -245,6 +247,8 @@ class LLMEngine:
         if self.config.streaming and params.n != 1:
             raise ValueError("StreamingLLM mode generates one sample per request (n=1)")
         self.scheduler.check_fits(len(ids), params, self.max_model_len)
+        if params.structured is not None:
+            self.grammars.compile(params.structured)  # a spec xgrammar rejects fails here (cached for add_request)
         return ids
 
     def add_request(
@@ -269,6 +273,8 @@ class LLMEngine:
             arrival_time if arrival_time is not None else time.monotonic(),
         )
         seq.make_generator()
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured)
         self.requests[request_id] = RequestState(
             request_id,
             prompt if isinstance(prompt, str) else None,
@@ -332,6 +338,7 @@ class LLMEngine:
             return self._pipelined_step()
         if self.speculative is not None:
             self.speculative.propose(self.scheduler.running, self.fault_injector, self._fail_seq)
+            prune_proposals(self.scheduler.running)  # structured outputs: only proposals the grammar allows
         sched = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         if not sched.scheduled:
@@ -504,6 +511,7 @@ class LLMEngine:
             )
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             child.make_generator()
+            child.grammar = parent.grammar.fork() if parent.grammar is not None else None
             detok = self._detok(req.params)
             self.block_manager.fork(parent, child)
             self.scheduler.running.append(child)  # (its slot was reserved when the parent was admitted)
@@ -519,6 +527,8 @@ class LLMEngine:
             self.fault_injector("postprocess", seq)
         token = result.token_id
         seq.token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         self.num_generated_tokens += 1
         if result.logprobs is not None:
             seq.logprobs.append(result.logprobs)
@@ -532,6 +542,8 @@ class LLMEngine:
         if token in p.stop_token_ids:
             self._finish(seq, "stop", token)
         elif token in self.eos_ids and not p.ignore_eos:
+            self._finish(seq, "stop", None)
+        elif seq.grammar is not None and seq.grammar.terminated:  # the structure is complete
             self._finish(seq, "stop", None)
         elif p.stop and self._check_stop_strings(seq):
             pass

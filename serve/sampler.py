@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.serve.grammar import mask_logits
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
@@ -359,7 +360,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [len(seqs), vocab], on any device (the work stays there)."""
     if not seqs:
         return []
-    raw = finite_logits(logits)
+    raw = finite_logits(logits)  # a new tensor: the grammar masks it in place
+    mask_logits(raw, seqs)  # structured outputs (serve/grammar.py); nothing when no row is constrained
     rows, vocab = raw.shape
     dev = raw.device
     d = _distributions(raw, seqs)

@@ -15,6 +15,7 @@ import torch
 
 from baton.serve.block_manager import BlockManager
 from baton.serve.faults import FaultInjector, SequenceFailure, per_sequence
+from baton.serve.grammar import mask_row
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampler import SampleResult, logprobs_of, target_distribution
 from baton.serve.sequence import Sequence
@@ -101,10 +102,11 @@ class SpeculativeDecoder:
         node, path = -1, []
         while True:
             kids = children.get(node, [])
-            p = target_distribution(logits[node + 1], seq)
+            row = mask_row(logits[node + 1], seq)  # structured outputs: the grammar's mask here
+            p = target_distribution(row, seq)
             q = draft_probs[kids] if draft_probs is not None and kids else None
             token, idx = choose(p, [proposals[i] for i in kids], q, seq.generator, seq.params.greedy)
-            append(SampleResult(token, logprobs_of(logits[node + 1], token, seq.params.logprobs)))
+            append(SampleResult(token, logprobs_of(row, token, seq.params.logprobs)))
             if idx < 0 or seq.is_finished:
                 break
             node = kids[idx]

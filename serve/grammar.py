@@ -1,0 +1,206 @@
+"""Structured outputs enforced during sampling, with xgrammar (a pushdown automaton over the vocabulary).
+
+A request's StructuredOutputs (serve/structured.py) is compiled once per distinct spec against the
+checkpoint's tokenizer (GrammarCache; an invalid schema/regex/grammar is a ValueError at admission,
+before anything is scheduled). Each sequence owns a SequenceGrammar (an xgrammar GrammarMatcher;
+n > 1 samples fork it). Every step the sampler masks a constrained row's logits with the matcher's
+token bitmask before penalties, temperature and truncation (so a constrained row can only draw an
+allowed token, and reports the masked logprobs, as vLLM does); the engine accepts the sampled
+token into the matcher and finishes the sequence ("stop") when the matcher terminates (the
+grammar is complete and an EOS token was taken). Unconstrained batches pay one Python scan.
+
+Preemption never drops tokens (recompute re-reads them, swap keeps the KV), so a matcher's state
+stays that of the sequence's output. Speculative decoding: proposals that leave the grammar are
+cut before the forward (prune_proposals, by accept + rollback), and verification draws every
+token from the masked target distribution at its position (the matcher advances with each token
+verification keeps), so it only ever keeps tokens the grammar allows.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from baton.common.tokenizer import Tokenizer
+from baton.serve.sequence import Sequence
+from baton.serve.structured import StructuredOutputs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+_CACHE_ENTRIES = 256  # compiled grammars kept (LRU); each is a few KB to a few MB
+# the string character classes xgrammar writes (plain strings; length-limited ones)
+_STRING_CHARS = re.compile(re.escape(r"[^\0-\x1f\"\\\r\n]") + "|" + re.escape(r"[^\"\\\r\n]"))
+_STRING_CHARS_FIXED = r"[^\0-\x1f\"\\\r\n\uD800-\uDFFF]"
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: ")  # "[18:58:14] /project/cpp/x.cc:94: "
+
+
+def json_schema_ebnf(schema: str | dict, strict_mode: bool = True) -> str:
+    """xgrammar's grammar for a JSON schema, compact (", " and ": ": any whitespace lets a model pad
+    forever), with one fix: xgrammar 0.2.9's string characters admit UTF-16 surrogates (invalid
+    UTF-8, decoded as U+FFFD) and, under maxLength/minLength, raw control characters, which JSON
+    forbids; both are excluded from every string character class."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
+    return _STRING_CHARS.sub(lambda _: _STRING_CHARS_FIXED, text)
+
+
+class SequenceGrammar:
+    """One sequence's matcher: where it stands in the grammar after the tokens it has output."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher = matcher
+
+    def fork(self) -> "SequenceGrammar":
+        return SequenceGrammar(self.matcher.fork())
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token; the mask made any other outcome impossible, so a refusal
+        is a bug that fails this request only."""
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` may come next; the matcher is left where it was."""
+        if self.matcher.accept_token(token):
+            self.matcher.rollback(1)
+            return True
+        return False
+
+
+class GrammarCache:
+    """Compiles StructuredOutputs against one tokenizer, once per distinct spec (LRU)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_ids: set[int]):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
+        self._compiler: xgr.GrammarCompiler | None = None  # built on the first structured request
+        self._compiled: collections.OrderedDict[tuple[str, str], xgr.CompiledGrammar] = collections.OrderedDict()
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the checkpoint's tokenizer; this model has none")
+            if not self.eos_ids:
+                raise ValueError("structured outputs need an EOS token to end on; this model has none")
+            import transformers
+            import xgrammar as xgr  # imported with the first structured request (~0.2 s), not with the engine
+
+            tok = self.tokenizer
+            hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf, eos_token=tok.eos_token)
+            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        """The compiled grammar of a validated spec; ValueError naming it if xgrammar rejects it."""
+        key = spec.key()
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            self._compiled.move_to_end(key)
+            return compiled
+        compiler = self._get_compiler()
+        kind = spec.kind
+        try:
+            if kind == "json":
+                compiled = compiler.compile_grammar(json_schema_ebnf(spec.json))
+            elif kind == "json_object":  # any JSON object (strict_mode would allow only {})
+                compiled = compiler.compile_grammar(json_schema_ebnf({"type": "object"}, strict_mode=False))
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec.regex)
+            else:
+                compiled = compiler.compile_grammar(spec.grammar)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}[kind]
+            detail = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+            raise ValueError(f"structured outputs: the {what} is not supported or invalid: {detail}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > _CACHE_ENTRIES:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: StructuredOutputs) -> SequenceGrammar:
+        import xgrammar as xgr
+
+        return SequenceGrammar(xgr.GrammarMatcher(self.compile(spec)))
+
+
+def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """In place: each constrained row of logits [len(seqs), vocab] keeps only the tokens its
+    sequence's grammar allows next (the rest become -inf). No constrained row: nothing to do."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return
+    import xgrammar as xgr
+
+    vocab = logits.shape[-1]
+    bitmask = xgr.allocate_token_bitmask(len(seqs), vocab)
+    for i in rows:
+        seqs[i].grammar.matcher.fill_next_token_bitmask(bitmask, i)
+    if logits.device.type != "cpu":  # xgrammar's kernel on CUDA; its torch version elsewhere
+        pinned = bitmask.pin_memory() if logits.device.type == "cuda" else bitmask  # no sync on the copy
+        bitmask = pinned.to(logits.device, non_blocking=True)
+    backend = "auto" if logits.device.type in ("cpu", "cuda") else "torch_native"
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows, backend=backend)
+
+
+def mask_row(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row [vocab] masked by seq's grammar (a new tensor; the row itself when unconstrained)."""
+    if seq.grammar is None:
+        return logits
+    out = logits.float().clone().unsqueeze(0)
+    mask_logits(out, [seq])
+    return out[0]
+
+
+def prune_proposals(seqs: list[Sequence]) -> None:
+    """Cut each constrained sequence's speculative proposals (chain or tree) to those the grammar
+    allows along their path: verification would reject the rest anyway (the target gives them no
+    mass), so only the forward's work changes, never the output."""
+    for seq in seqs:
+        if seq.grammar is None or not seq.spec_token_ids:
+            continue
+        m, proposals, parents = seq.grammar.matcher, seq.spec_token_ids, seq.spec_parents
+        if parents is None:  # a chain: the allowed prefix
+            keep = 0
+            while keep < len(proposals) and m.accept_token(proposals[keep]):
+                keep += 1
+            if keep:
+                m.rollback(keep)
+            seq.spec_token_ids = proposals[:keep]
+            if seq.spec_draft_probs is not None:
+                seq.spec_draft_probs = seq.spec_draft_probs[:keep] if keep else None
+            continue
+        ok, new_index, kept_parents = [], {}, []  # a tree (parents before children): nodes whose path is allowed
+        for i, parent in enumerate(parents):
+            path = [i]
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path.reverse()
+            good = parent < 0 or ok[parent]
+            if good:
+                accepted = 0
+                for node in path:
+                    if not m.accept_token(proposals[node]):
+                        good = False
+                        break
+                    accepted += 1
+                if accepted:
+                    m.rollback(accepted)
+            ok.append(good)
+            if good:
+                new_index[i] = len(kept_parents)
+                kept_parents.append(-1 if parent < 0 else new_index[parent])
+        kept = [i for i, good in enumerate(ok) if good]
+        seq.spec_token_ids = [proposals[i] for i in kept]
+        seq.spec_parents = kept_parents if kept else None
+        if seq.spec_draft_probs is not None:
+            seq.spec_draft_probs = seq.spec_draft_probs[kept] if kept else None

@@ -187,7 +187,10 @@ def megatron_to_baton(
     check_layout(cfg, tp_size, pp_size, vp_size)
     names = {v: k for k, v in _names(spec).items()}
 
+    used: set[tuple[int, int, str]] = set()
+
     def get(key: str, p: int, v: int) -> list[Tensor]:
+        used.add((p, v, key))
         try:
             return [chunks[(t, p, v)][key] for t in range(tp_size)]
         except KeyError:
@@ -227,6 +230,12 @@ def megatron_to_baton(
         copy = col("output_layer.weight", last_p, last_v)[: cfg.vocab_size]
         if not torch.equal(copy, embed):
             raise ValueError("tied embeddings: the last stage's output_layer copy differs from the embedding")
+    for (t, p, v), chunk in chunks.items():  # a tensor this config does not describe would be lost
+        extra = sorted(k for k in chunk if (p, v, k) not in used and not k.endswith("_extra_state"))
+        if extra:
+            raise ValueError(
+                f"megatron shards: chunk (tp {t}, pp {p}, vp {v}) has {extra[0]!r}, which the config does not describe"
+            )
     return {k: t.contiguous() for k, t in out.items()}
 
 

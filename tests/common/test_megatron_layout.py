@@ -179,3 +179,15 @@ def test_runs_without_megatron_core():
         "assert all(torch.equal(back[k], sd[k]) for k in sd) and back.keys() == sd.keys()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_tensors_the_config_does_not_describe_are_refused(model):
+    """A Megatron model with more than the config says (here a q layernorm) must not lose it silently."""
+    _, _, cfg, sd = model
+    shard = baton_to_megatron(sd, cfg)
+    shard["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(cfg.head_dim)
+    with pytest.raises(ValueError, match="q_layernorm.weight', which the config does not describe"):
+        megatron_to_baton(shard, cfg)
+    del shard["decoder.layers.0.self_attention.q_layernorm.weight"], shard["decoder.layers.1.mlp.linear_fc2.weight"]
+    with pytest.raises(ValueError, match="has no 'decoder.layers.1.mlp.linear_fc2.weight'"):
+        megatron_to_baton(shard, cfg)

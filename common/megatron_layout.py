@@ -22,6 +22,7 @@ import re
 from collections.abc import Mapping
 
 import torch
+
 from baton.common.config import ConfigError, ModelConfig
 
 Tensor = torch.Tensor

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from baton.common.checkpoint import load_state_dict, save_model
 from baton.common.cli import main
 from baton.common.config import ModelConfig

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 import transformers
-from baton.common.checkpoint import load_state_dict
+
+from baton.common.checkpoint import load_state_dict, read_config
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.hf import import_hf
 from baton.common.megatron_layout import (
@@ -44,8 +45,6 @@ def model(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(tmp / "hf")
     baton_dir = import_hf(tmp / "hf", tmp / "baton")
-    from baton.common.checkpoint import read_config
-
     return request.param, hf.state_dict(), read_config(baton_dir), load_state_dict(baton_dir)
 
 

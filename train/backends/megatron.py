@@ -294,9 +294,11 @@ class MegatronBackend:
             for b in c.buffers
             if b.grad_data is not None
         )
+        inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
         optim = sum(
             t.numel() * t.element_size()
-            for st in self.optimizer.state.values()
+            for opt in inner
+            for st in opt.state.values()
             for t in st.values()
             if torch.is_tensor(t)
         )

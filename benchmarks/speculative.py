@@ -7,7 +7,12 @@ at batch 1 (one prompt at a time) and 8 against plain decoding in the same run, 
 size to find where speculation loses. Every mode runs 3 times, interleaved with the others; the
 median run is reported.
 
+Modes: plain, n-gram, draft chain, draft tree (EAGLE-2 dynamic), Medusa chain, Medusa trees (dynamic
+and a fixed topology), lookahead (Jacobi window + n-gram pool). Acceptance is also reported per
+tree depth (share of the passes proposing depth d whose accepted path reached it).
+
 Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
+       python benchmarks/speculative.py --smoke    (tiny random models, one short round: that it runs)
        python benchmarks/speculative.py --target runs/demo/handoff --draft runs/demo-draft/handoff --name speculative-demo
          (the README demo model after configs/demo-draft.yaml and configs/demo-medusa.yaml)
 """
@@ -109,6 +114,37 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
     return target / "handoff", draft / "handoff", text
 
 
+MEDUSA_CHOICES = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"  # 6 nodes, 3 deep
+
+
+def smoke_models(out: Path) -> tuple[Path, Path, str]:
+    """Random tiny target (with Medusa heads) and draft: the code paths, not the numbers."""
+    from baton.common.checkpoint import save_model
+    from baton.common.config import ModelConfig
+    from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
+    from baton.common.model import build_model
+    from baton.common.tokenizer import train_char
+
+    text = "To be, or not to be, that is the question. " * 20
+    tok = train_char(text)
+    cfg = dict(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    target = build_model(ModelConfig(**cfg), seed=0)
+    save_model(out / "target", target, tokenizer=tok)
+    heads = MedusaHeads(MedusaConfig(cfg["hidden_size"], cfg["vocab_size"], num_heads=3))
+    heads.init_from_lm_head(target.lm_head)
+    save_medusa(heads, out / "target")
+    save_model(out / "draft", build_model(ModelConfig(**{**cfg, "num_hidden_layers": 1}), seed=1), tokenizer=tok)
+    return out / "target", out / "draft", text
+
+
 def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
     return {
         "plain": None,
@@ -118,6 +154,11 @@ def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
         "draft tree k=3 w=2": SpeculativeConfig("draft", 3, draft_model=str(draft), tree_width=2),
         "medusa k=3": SpeculativeConfig("medusa", 3),
         "medusa tree k=3 w=2": SpeculativeConfig("medusa", 3, tree_width=2),
+        "medusa tree choices": SpeculativeConfig("medusa", 3, tree_choices=MEDUSA_CHOICES),
+        "lookahead W=4 N=4 G=4": SpeculativeConfig("lookahead", lookahead_window=4, lookahead_ngram=4),
+        "lookahead W=8 N=5 G=8": SpeculativeConfig(
+            "lookahead", lookahead_window=8, lookahead_ngram=5, lookahead_guesses=8
+        ),
     }
 
 
@@ -143,11 +184,13 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
                     tokens += len(out.outputs[0].token_ids)
         wall += time.perf_counter() - t
     s = engine.stats()
+    by_depth = engine.speculative.stats.acceptance_by_depth if engine.speculative is not None else []
     return {
         "tokens_per_s": tokens / wall,
         "ms_per_token": 1e3 * sum(latencies) / len(latencies),
         "acceptance_rate": s.spec_acceptance_rate,
         "mean_accepted_length": s.spec_mean_accepted_length,
+        "acceptance_by_depth": by_depth,
     }
 
 
@@ -177,10 +220,17 @@ def main() -> None:
     )
     ap.add_argument("--draft", help="the draft checkpoint for --target")
     ap.add_argument("--name", default="speculative", help="results file name (benchmarks/results/NAME.{json,png})")
+    ap.add_argument("--smoke", action="store_true", help="tiny random models, one short round, no sweep")
+    ap.add_argument("--repeats", type=int, default=REPEATS, help="runs per mode (the median is reported)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args()
     torch.manual_seed(0)
-    RESULTS.mkdir(exist_ok=True)
-    if args.target:
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.smoke:
+        target, draft, text = smoke_models(args.out / "smoke-models")
+        args.repeats, args.no_sweep = 1, True
+    elif args.target:
         if not args.draft:
             ap.error("--target needs --draft")
         from baton.common.corpus import default_corpus_text
@@ -193,11 +243,11 @@ def main() -> None:
     natural = [source[i : i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
     passage = [source[i : i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
     quoting = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]  # a passage twice, then its start again
-    max_tokens = 48 if args.quick else 96
+    max_tokens = 8 if args.smoke else 48 if args.quick else 96
     results: dict = {"rows": []}
     for workload, prompts in (("natural", natural), ("quoting", quoting)):
         for batch in (1, 8):
-            runs = median_runs(target, modes(draft), prompts, max_tokens, batch, REPEATS)
+            runs = median_runs(target, modes(draft), prompts, max_tokens, batch, args.repeats)
             for name, r in runs.items():
                 r.update(
                     workload=workload, batch=batch, mode=name, speedup=r["tokens_per_s"] / runs["plain"]["tokens_per_s"]
@@ -205,21 +255,23 @@ def main() -> None:
                 results["rows"].append(r)
     sweep = []
     sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
-    for batch in (1, 2, 4, 8, 16, 32):
-        runs = median_runs(target, sweep_modes, (natural * 4)[: max(8, batch)], max_tokens, batch, REPEATS)
+    for batch in () if args.no_sweep else (1, 2, 4, 8, 16, 32):
+        runs = median_runs(target, sweep_modes, (natural * 4)[: max(8, batch)], max_tokens, batch, args.repeats)
         base = runs["plain"]["tokens_per_s"]
         sweep.append(
             {"batch": batch, "plain": base, **{k: r["tokens_per_s"] / base for k, r in runs.items() if k != "plain"}}
         )
     results["batch_sweep"] = sweep
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     print(
-        f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}{'mean len':>9}"
+        f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
+        f"{'mean len':>9}  accept by depth"
     )
     for r in results["rows"]:
+        depths = " ".join(f"{a:.0%}" for a in r["acceptance_by_depth"])
         print(
             f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
-            f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}"
+            f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}  {depths}"
         )
     print("\nspeedup over plain decoding by batch size (natural prompts):")
     for row in sweep:
@@ -227,7 +279,7 @@ def main() -> None:
             f"  batch {row['batch']:>3}: plain {row['plain']:.0f} tok/s; "
             + ", ".join(f"{k} {row[k]:.2f}x" for k in SWEPT)
         )
-    plot(results, RESULTS / f"{args.name}.png")
+    plot(results, args.out / f"{args.name}.png")
 
 
 def plot(r: dict, path: Path) -> None:
@@ -244,7 +296,7 @@ def plot(r: dict, path: Path) -> None:
     ax[0].axvline(1.0, c="gray", ls="--")
     ax[0].set(xlabel="speedup over plain decoding", title="speculative decoding on this CPU")
     sweep = r["batch_sweep"]
-    for k in SWEPT:
+    for k in SWEPT if sweep else ():
         ax[1].plot([x["batch"] for x in sweep], [x[k] for x in sweep], "o-", label=k)
     ax[1].axhline(1.0, c="gray", ls="--")
     ax[1].set(xscale="log", xlabel="batch size", ylabel="speedup", title="where speculation stops paying")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import re
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +55,7 @@ class SequenceGrammar:
     def __init__(self, matcher: xgr.GrammarMatcher):
         self.matcher = matcher
 
-    def fork(self) -> "SequenceGrammar":
+    def fork(self) -> SequenceGrammar:
         return SequenceGrammar(self.matcher.fork())
 
     def accept(self, token: int) -> None:

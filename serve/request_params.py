@@ -16,9 +16,11 @@ from google.protobuf.message import Message
 
 from baton.serve.rpc import invalid
 from baton.serve.sampling_params import SamplingParams
+from baton.serve.structured import StructuredOutputs
 
 _HINTS = typing.get_type_hints(SamplingParams)
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+_STRUCTURED = {f.name for f in dataclasses.fields(StructuredOutputs)}
 
 
 def _checked(kwargs: dict, where: str) -> SamplingParams:
@@ -33,7 +35,22 @@ def _checked(kwargs: dict, where: str) -> SamplingParams:
 def from_proto(msg: Message) -> SamplingParams:
     """Set fields only: an unset optional keeps the engine's default."""
     kwargs = {f.name: list(v) if f.name in ("stop", "stop_token_ids") else v for f, v in msg.ListFields()}
+    if "structured" in kwargs:  # a oneof: the kind set on the wire, or none (refused by validate)
+        kwargs["structured"] = StructuredOutputs(**{f.name: v for f, v in kwargs["structured"].ListFields()})
     return _checked(kwargs, "sampling")
+
+
+def _structured(value) -> StructuredOutputs:
+    """sampling_parameters.structured: {"json": schema (object or its text) | "json_object": true |
+    "regex": str | "grammar": str}."""
+    if not isinstance(value, dict):
+        raise invalid(f"sampling_parameters.structured must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _STRUCTURED)
+    if unknown:
+        raise invalid(
+            f"sampling_parameters.structured: unknown field {unknown[0]!r} (known: {', '.join(sorted(_STRUCTURED))})"
+        )
+    return StructuredOutputs(**value)
 
 
 def _coerce(key: str, value):
@@ -89,4 +106,5 @@ def from_json(text: str) -> SamplingParams:
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
         raise invalid(f"sampling_parameters: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
-    return _checked({k: _coerce(k, v) for k, v in obj.items()}, "sampling_parameters")
+    kwargs = {k: _structured(v) if k == "structured" else _coerce(k, v) for k, v in obj.items()}
+    return _checked(kwargs, "sampling_parameters")

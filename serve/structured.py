@@ -22,7 +22,9 @@ class StructuredOutputs:
     grammar: str | None = None  # EBNF (xgrammar's / GBNF dialect), root rule `root`
 
     def set_kinds(self) -> list[str]:
-        return [k for k in _KINDS if (self.json_object if k == "json_object" else getattr(self, k) is not None)]
+        return [
+            k for k in _KINDS if (self.json_object is not False if k == "json_object" else getattr(self, k) is not None)
+        ]
 
     @property
     def kind(self) -> str:
@@ -31,8 +33,6 @@ class StructuredOutputs:
     def validate(self) -> None:
         """Raise ValueError naming the problem. Syntax of the schema/regex/grammar itself is checked
         by compiling it at admission (serve/grammar.py), since only the library knows its dialect."""
-        if not isinstance(self.json_object, bool):
-            raise ValueError(f"structured.json_object must be true or false, got {self.json_object!r}")
         kinds = self.set_kinds()
         if len(kinds) != 1:
             raise ValueError(
@@ -48,6 +48,8 @@ class StructuredOutputs:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured.json must be a JSON schema object, got {type(schema).__name__}")
+        if self.json_object not in (False, True):
+            raise ValueError(f"structured.json_object must be true or false, got {self.json_object!r}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

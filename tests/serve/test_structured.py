@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import pytest
 import torch
 import transformers
 import xgrammar as xgr
 
+from baton.serve import proto
+from baton.serve.client import BatonClient
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.grammar import json_schema_ebnf
 from baton.serve.sampling_params import SamplingParams
@@ -220,3 +223,39 @@ def test_invalid_spec_is_refused_before_scheduling(engine, so, names):
     assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
     done = _run(engine, [("after", "hello", SamplingParams(max_tokens=4, structured=StructuredOutputs(regex="[ab]+")))])
     assert re.fullmatch("[ab]+", done["after"][0].text)
+
+
+def test_grpc_and_kserve(llama_dir):
+    """The Baton proto's `structured` oneof and KServe's sampling_parameters.structured reach the
+    engine; a rejected spec is INVALID_ARGUMENT naming it, and the server goes on serving."""
+    from .server_fixtures import ServerThread
+    from .test_server_bad_input import MODEL_INFER, call_raw, kserve_bytes
+
+    server = ServerThread(llama_dir)
+    try:
+        with BatonClient(server.target, timeout=60) as c:
+            so = proto.baton("StructuredOutputs")
+            schema = SCHEMAS["enum"]
+            for seed in range(3):
+                out = c.complete("The fox", max_tokens=32, seed=seed, structured=so(json=json.dumps(schema)))
+                jsonschema.validate(json.loads(out.completions[0].text), schema)
+                assert out.completions[0].finish_reason == "stop"
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("The fox", structured=so(regex="(ab"))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
+            with pytest.raises(grpc.RpcError) as e:
+                c.complete("The fox", structured=so())
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exactly one" in e.value.details()
+            assert c.complete("The lazy dog", max_tokens=3, temperature=0).finished
+        sampling = json.dumps({"max_tokens": 16, "structured": {"regex": "[0-9]{3}"}}).encode()
+        with grpc.insecure_channel(server.target) as ch:
+            raw = ch.unary_unary(MODEL_INFER)(kserve_bytes(sampling=sampling), timeout=60)
+        reply = proto.kserve("ModelInferResponse").FromString(raw)
+        assert re.fullmatch(
+            rb"The fox[0-9]{3}", reply.raw_output_contents[0][4:]
+        )  # Triton's text_output: prompt + output
+        with pytest.raises(grpc.RpcError) as e:
+            call_raw(server.target, MODEL_INFER, kserve_bytes(sampling=b'{"structured": {"json": {"type": 7}}}'), False)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON schema" in e.value.details()
+    finally:
+        server.stop()

@@ -243,10 +243,13 @@ def main() -> None:
     natural = [source[i : i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
     passage = [source[i : i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
     quoting = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]  # a passage twice, then its start again
-    max_tokens = 8 if args.smoke else 48 if args.quick else 96
+    max_tokens = 6 if args.smoke else 48 if args.quick else 96
     results: dict = {"rows": []}
-    for workload, prompts in (("natural", natural), ("quoting", quoting)):
-        for batch in (1, 8):
+    workloads = (("natural", natural), ("quoting", quoting))
+    if args.smoke:
+        workloads = tuple((w, p[:2]) for w, p in workloads)
+    for workload, prompts in workloads:
+        for batch in (1, 2) if args.smoke else (1, 8):
             runs = median_runs(target, modes(draft), prompts, max_tokens, batch, args.repeats)
             for name, r in runs.items():
                 r.update(

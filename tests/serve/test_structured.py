@@ -18,9 +18,10 @@ import xgrammar as xgr
 from baton.serve import proto
 from baton.serve.client import BatonClient
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.grammar import json_schema_ebnf
+from baton.serve.grammar import json_schema_ebnf, prune_proposals
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
+from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig
 from baton.serve.structured import StructuredOutputs
 
@@ -141,35 +142,69 @@ def _reference(hf, info, prompt_ids, compiled, max_tokens) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_greedy_equals_reference(llama_dir, engine, speculative):
+@pytest.fixture(scope="module")
+def references(llama_dir):
+    """The reference's greedy tokens for each spec, and for one unconstrained prompt (HF generate)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir.parent / "hf-llama").eval()
     tok = transformers.AutoTokenizer.from_pretrained(llama_dir)  # the checkpoint's own files, not the engine's loader
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size, stop_token_ids=[tok.eos_token_id])
     compiler = xgr.GrammarCompiler(info)
-    eng = engine
-    if speculative:
-        eng = LLMEngine.from_checkpoint(llama_dir, EngineConfig(speculative=SpeculativeConfig("ngram", 3)))
-    reqs, want = [], {}
-    for si, (kind, spec, so) in enumerate(_specs()):
+    want = {}
+    for si, (kind, spec, _) in enumerate(_specs()):
         # the schema's grammar text is the spec; matching, masking and decoding are xgrammar's own here
         compiled = compiler.compile_regex(spec) if kind == "regex" else compiler.compile_grammar(json_schema_ebnf(spec))
-        prompt = PROMPTS[si % len(PROMPTS)]
-        ids = tok.encode(prompt, add_special_tokens=False)
+        ids = tok.encode(PROMPTS[si % len(PROMPTS)], add_special_tokens=False)
         want[str(si)] = _reference(hf, info, ids, compiled, 64)
-        reqs.append((str(si), prompt, SamplingParams(n=2, temperature=0, max_tokens=64, structured=so)))
-    reqs.append(
-        ("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    )  # unconstrained beside
-    done = _run(eng, reqs)
-    for rid, tokens in want.items():
-        assert tokens[-1] == tok.eos_token_id  # the reference ended by completing the structure
-        assert [c.token_ids for c in done[rid]] == [tokens, tokens], rid
+        assert want[str(si)][-1] == tok.eos_token_id  # the reference ended by completing the structure
     with torch.no_grad():
-        free = hf.generate(
-            torch.tensor([tok.encode(PROMPTS[1], add_special_tokens=False)]), max_new_tokens=8, do_sample=False
-        )[0, -8:]
-    assert done["free"][0].token_ids == free.tolist()
+        ids = torch.tensor([tok.encode(PROMPTS[1], add_special_tokens=False)])
+        want["free"] = hf.generate(ids, max_new_tokens=8, do_sample=False)[0, -8:].tolist()
+    return want
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram", "draft-tree"])
+def test_greedy_equals_reference(llama_dir, engine, references, speculative):
+    """n=2 constrained samples beside an unconstrained request; speculation on or off. The draft is
+    the target itself, so its trees are deep and pruned by the grammar (prune_proposals)."""
+    spec = {
+        "ngram": SpeculativeConfig("ngram", 3),
+        "draft-tree": SpeculativeConfig("draft", 3, draft_model=str(llama_dir), tree_width=2),
+    }.get(speculative)
+    eng = engine if spec is None else LLMEngine.from_checkpoint(llama_dir, EngineConfig(speculative=spec))
+    reqs = [
+        (str(si), PROMPTS[si % len(PROMPTS)], SamplingParams(n=2, temperature=0, max_tokens=64, structured=so))
+        for si, (_, _, so) in enumerate(_specs())
+    ]
+    reqs.append(("free", PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+    done = _run(eng, reqs)
+    assert [c.token_ids for c in done.pop("free")] == [references["free"]]
+    assert {rid: [c.token_ids for c in outs] for rid, outs in done.items()} == {
+        rid: [tokens, tokens] for rid, tokens in references.items() if rid != "free"
+    }
+    if spec is not None:
+        assert eng.stats().spec_accepted_tokens > 0
+
+
+def test_prune_proposals(engine):
+    """Chains keep their allowed prefix (and its draft rows), trees their allowed subtrees; the
+    matcher is left where it was."""
+    tok = engine.tokenizer
+    a, b, c, x = (tok.token_to_id(ch) for ch in "abcx")
+    seq = Sequence(0, "r", 0, [1], SamplingParams())
+    seq.grammar = engine.grammars.matcher(StructuredOutputs(regex="abc+"))
+    seq.spec_token_ids, seq.spec_draft_probs = [a, b, x, c], torch.arange(4.0).unsqueeze(1)
+    prune_proposals([seq])
+    assert seq.spec_token_ids == [a, b] and seq.spec_draft_probs.flatten().tolist() == [0.0, 1.0]
+    #        a(0)          x(1)        tree: parents before children
+    #     b(2)  x(3)       c(5)
+    #   c(4)
+    seq.spec_token_ids, seq.spec_parents, seq.spec_draft_probs = [a, x, b, x, c, c], [-1, -1, 0, 0, 2, 1], None
+    prune_proposals([seq])
+    assert (seq.spec_token_ids, seq.spec_parents) == ([a, b, c], [-1, 0, 1])
+    seq.spec_token_ids, seq.spec_parents = [x, a], [-1, 0]
+    prune_proposals([seq])
+    assert (seq.spec_token_ids, seq.spec_parents) == ([], None)
+    assert all(seq.grammar.allows(t) is (t == a) for t in (a, b, c, x))  # still at the start
 
 
 def test_json_strings_exclude_what_json_forbids(llama_dir):

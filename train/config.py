@@ -338,14 +338,6 @@ class TrainConfig:
             "is on PATH): install one, or set compile: false",
         )
         need(
-            not (self.backend == "torch3d" and self.parallel.tp > 1),
-            "compile: true with parallel.tp > 1: in torch 2.13 a compiled decoder layer under DTensor "
-            "tensor-parallel plans computes wrong gradients (gradient norm 0.937 instead of 0.952 at the first "
-            "step of a tiny model, with inductor and aot_eager alike) or fails in the backward ('Tensor' object "
-            "has no attribute '_local_tensor'); compile dp/FSDP2, pp and cp layouts, or run tensor parallelism "
-            "eagerly",
-        )
-        need(
             not (self.backend == "deepspeed" and self.deepspeed.stage == 3),
             "compile: true with deepspeed.stage 3: ZeRO-3 gathers each parameter in hooks on every Linear "
             "inside the layer, which dynamo would trace; use stage 0-2, or backend torch3d (FSDP2) for "

@@ -329,6 +329,8 @@ class LLMEngine:
             spec_accepted_tokens=spec.accepted,
             spec_acceptance_rate=spec.acceptance_rate,
             spec_mean_accepted_length=spec.mean_accepted_length,
+            spec_proposed_by_depth=list(spec.proposed_by_depth),
+            spec_accepted_by_depth=list(spec.accepted_by_depth),
         )
 
     # ------------------------------------------------------------------------------ step

@@ -78,6 +78,12 @@ class EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        for what, counts in (("proposed", s.spec_proposed_by_depth), ("accepted", s.spec_accepted_by_depth)):
+            doc = f"Speculative decoding: verification passes that {what} a token this deep"
+            by_depth = CounterMetricFamily(f"baton_spec_{what}_by_depth", doc, labels=["depth"])
+            for d, n in enumerate(counts, start=1):
+                by_depth.add_metric([str(d)], n)
+            yield by_depth
 
 
 class ServerMetrics:

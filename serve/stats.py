@@ -8,7 +8,7 @@ checks that every proto field is covered).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,3 +29,7 @@ class EngineStats:
     spec_mean_accepted_length: float
     active_calls: int = 0  # the server's admission: generation calls in the engine, and waiting for it
     queued_calls: int = 0
+    # Speculative decoding per depth d (index d - 1): verification passes that proposed a token that
+    # deep, and passes whose accepted path reached it (SpecStats)
+    spec_proposed_by_depth: list[int] = field(default_factory=list)
+    spec_accepted_by_depth: list[int] = field(default_factory=list)

@@ -240,6 +240,13 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
     assert next(x.value for x in fams["baton_spec_proposed_tokens"].samples) == want.proposed
     assert next(x.value for x in fams["baton_spec_accepted_tokens"].samples) == want.accepted
     assert next(x.value for x in fams["baton_spec_acceptance_rate"].samples) == pytest.approx(want.acceptance_rate)
+    assert want.accepted_by_depth[0] > 0  # per depth, in ServerInfo and on /metrics
+    assert (list(info.spec_proposed_by_depth), list(info.spec_accepted_by_depth)) == (
+        want.proposed_by_depth,
+        want.accepted_by_depth,
+    )
+    accepted = {x.labels["depth"]: x.value for x in fams["baton_spec_accepted_by_depth"].samples}
+    assert accepted == {str(d): n for d, n in enumerate(want.accepted_by_depth, start=1)}
 
 
 def test_quantized_checkpoint_reports_its_quantization(llama_dir, tmp_path):

@@ -140,7 +140,7 @@ def test_server_info_has_every_field_from_the_engine_stats_or_the_server():
 
     rt = Runtime("tiny", Limits())
     names = [f.name for f in dataclasses.fields(EngineStats)]
-    stats = EngineStats(**{name: i + 1 for i, name in enumerate(names)})
+    stats = EngineStats(**{name: [i + 1] if name.endswith("_by_depth") else i + 1 for i, name in enumerate(names)})
     fields = server_info_fields(rt, stats)
     response = proto.baton("ServerInfoResponse")
     assert set(fields) == {f.name for f in response.DESCRIPTOR.fields}

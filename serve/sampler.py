@@ -8,7 +8,8 @@ tokens, the fallback flags and the logprobs come back together).
 Each sequence is sampled with its own torch.Generator when it has a seed, so its tokens do not
 depend on which other requests share the batch (a token is drawn by inverse CDF from one uniform
 per row: see _draw). Logprobs are reported from the model's raw distribution (before penalties
-and truncation), as vLLM does.
+and truncation), as vLLM does; a structured-output row's raw logits are first masked by its
+grammar (serve/grammar.py), so a fallback to greedy stays inside the grammar too.
 
 Every parameter SamplingParams.validate admits samples without NaN/inf: the model's NaN logits
 are never chosen and +inf ones become the largest float, penalties are computed in float64,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -43,6 +43,8 @@ class DataConfig:
     or otherwise a Hugging Face Hub dataset name (needs network access).
     `ids_field`: in .json/.jsonl files that have it, each record's token ids, used as they are
     (plus EOS) instead of encoding its text; records where it is null are encoded.
+    `val_path`: a separate held-out file or directory (same kinds as `path`): its blocks are the
+    validation set and every block of `path` trains; `val_fraction` is then not used.
     `cache_dir`: where `datasets` keeps its caches; default `<baton cache root>/datasets`.
     """
 
@@ -53,6 +55,7 @@ class DataConfig:
     val_fraction: float = 0.05
     seed: int = 1234
     cache_dir: str | None = None
+    val_path: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.seq_len, int) or self.seq_len < 2:
@@ -62,17 +65,21 @@ class DataConfig:
         for name in ("text_field", "ids_field"):
             if not getattr(self, name):
                 raise ValueError(f"DataConfig.{name} must be a non-empty field name")
-        if self.path is None:
-            return
-        local = Path(self.path).expanduser()
-        if not local.exists():
-            if _looks_local(self.path):
-                raise ValueError(f"DataConfig.path={self.path!r}: no such file or directory")
-        elif local.is_file() and local.suffix not in BUILDERS:
-            raise ValueError(
-                f"DataConfig.path={self.path!r}: unsupported file type {local.suffix!r}; "
-                f"use {', '.join(BUILDERS)} or a directory of such files"
-            )
+        for name in ("path", "val_path"):
+            if getattr(self, name) is not None:
+                _check_source(name, getattr(self, name))
+
+
+def _check_source(name: str, path: str) -> None:
+    local = Path(path).expanduser()
+    if not local.exists():
+        if _looks_local(path):
+            raise ValueError(f"DataConfig.{name}={path!r}: no such file or directory")
+    elif local.is_file() and local.suffix not in BUILDERS:
+        raise ValueError(
+            f"DataConfig.{name}={path!r}: unsupported file type {local.suffix!r}; "
+            f"use {', '.join(BUILDERS)} or a directory of such files"
+        )
 
 
 def _looks_local(path: str) -> bool:
@@ -82,6 +89,16 @@ def _looks_local(path: str) -> bool:
 
 def build_datasets(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Train and validation datasets with one column, `input_ids`: lists of seq_len + 1 ids."""
+    if cfg.val_path is None:
+        return _split(cfg, tokenizer)
+    log.info("Validation blocks come from data.val_path %s; all of the training data trains", cfg.val_path)
+    train, _ = _split(replace(cfg, val_path=None, val_fraction=0), tokenizer)
+    val, _ = _split(replace(cfg, path=cfg.val_path, val_path=None, val_fraction=0), tokenizer)
+    return train, val
+
+
+def _split(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """`cfg.path` tokenized (cached), packed into blocks and split by `val_fraction`."""
     cache = _cache_dir(cfg)
     source = cfg.path if cfg.path is not None else "the default corpus"
     docs = _load_documents(cfg, str(cache), tokenizer.vocab_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,8 @@ def describe(cfg: TrainConfig) -> dict[str, Any]:
             "seq_len": d.seq_len,
             "val_fraction": d.val_fraction,
             "seed": d.seed,
+            "val_path": d.val_path,
+            "val_fingerprint": data_fingerprint(replace(d, path=d.val_path)) if d.val_path is not None else None,
         },
         "tokenizer": {
             "path": t.path,
@@ -101,6 +104,10 @@ def _describe_data(path: Any, fp: dict[str, Any] | None) -> str:
     return where if fp is None else f"{where} ({fp['files']} file(s), {fp['bytes']:,} bytes, sha256 {fp['sha256']})"
 
 
+def _describe_held_out(path: Any, fp: dict[str, Any] | None) -> str:
+    return "none (val_fraction of data.path)" if path is None else _describe_data(path, fp)
+
+
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """How `now` (describe()) differs from a checkpoint's recorded inputs, one phrase each."""
     out = []
@@ -117,6 +124,14 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     for key in ("seq_len", "text_field", "val_fraction", "seed"):
         if was[key] != cur[key]:
             out.append(f"data.{key} was {was[key]!r} in the checkpoint, is {cur[key]!r} now")
+    # The held-out file, known by content as data.path is (checkpoints written before data.val_path
+    # existed have neither key: there was none then).
+    was_val, cur_val = (was.get("val_path"), was.get("val_fingerprint")), (cur["val_path"], cur["val_fingerprint"])
+    same_val = was_val[1] == cur_val[1] if None not in (was_val[1], cur_val[1]) else was_val[0] == cur_val[0]
+    if not same_val:
+        out.append(
+            f"data.val_path was {_describe_held_out(*was_val)} in the checkpoint, is {_describe_held_out(*cur_val)} now"
+        )
     was_t, cur_t = saved["tokenizer"], now["tokenizer"]
     if cur_t["path"] is not None and cur_t["sha256"] != was_t["sha256"]:
         out.append(

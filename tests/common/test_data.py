@@ -95,6 +95,28 @@ def test_validation_split_is_seeded_and_loses_nothing(tmp_path, tok):
     assert rows(other_val) != rows(val)
 
 
+def test_val_path_is_the_validation_set_and_all_of_path_trains(tmp_path, tok):
+    train_docs, held_docs = make_docs(60, seed=1), make_docs(20, seed=2)
+    path = str(write_jsonl(tmp_path / "train.jsonl", train_docs))
+    (tmp_path / "held.txt").write_text(held_docs[0] + held_docs[1])  # a .txt file: one document
+    # val_fraction is not used with a val_path (its default 0.05 would otherwise hold out blocks)
+    train, val = build(tmp_path, tok, path=path, val_path=str(tmp_path / "held.txt"), seq_len=8)
+    assert sorted(rows(train)) == sorted(expected_blocks(tok, train_docs, 8))
+    assert rows(val) == expected_blocks(tok, [held_docs[0] + held_docs[1]], 8)
+
+
+@pytest.mark.parametrize(
+    "val_path,words",
+    [("/no/such/held.txt", "DataConfig.val_path='/no/such/held.txt': no such file"), ("held.csv", "unsupported")],
+)
+def test_bad_val_path_is_refused_naming_it(tmp_path, val_path, words):
+    if val_path == "held.csv":
+        val_path = str(tmp_path / "held.csv")
+        (tmp_path / "held.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=words):
+        DataConfig(val_path=val_path)
+
+
 def test_at_least_one_validation_block_when_there_are_two(tmp_path):
     tok = train_char("abcdefgh")
     (tmp_path / "t.txt").write_text("abcdefgh" * 2 + "a")  # 17 chars + EOS = 18 = two blocks of 9

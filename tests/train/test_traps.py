@@ -189,6 +189,10 @@ def test_resuming_on_other_data_is_refused(trained, tmp_path, capsys, no_process
     assert "data.seq_len was 32 in the checkpoint, is 16 now" in err
     err = _refused(recipe, out, capsys, "data.val_fraction=0.1", "seed=7")
     assert "data.val_fraction was 0.05 in the checkpoint, is 0.1 now" in err and "seed was 1234" in err
+    held = tmp_path / "held.txt"
+    held.write_text(data.read_text()[:200])
+    err = _refused(recipe, out, capsys, f"data.val_path={held}")
+    assert f"data.val_path was none (val_fraction of data.path) in the checkpoint, is {held} (1 file(s)" in err
     with data.open("a") as f:  # the same path, with more text in it
         f.write("a few more words")
     assert "the data at data.path (changed since the checkpoint) was" in _refused(recipe, out, capsys)

@@ -58,7 +58,9 @@ class HttpFront:
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP, as getaddrinfo would give: asyncio sets TCP_NODELAY on accepted connections only
+        # then, and without it each SSE event after the headers waits ~40 ms for the client's delayed ACK
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))

@@ -8,6 +8,7 @@ tests/serve/test_openai_cli.py runs the real `baton serve --http-port` subproces
 from __future__ import annotations
 
 import json
+import socket
 
 import openai
 import pytest
@@ -184,3 +185,8 @@ def test_models_and_health(client, server):
 
     with urllib.request.urlopen(f"http://127.0.0.1:{server.server.http_port}/health") as resp:
         assert resp.status == 200 and json.load(resp) == {"status": "serving"}
+        # Nagle off on the server's side of every connection, or each SSE event waits for a delayed ACK
+        conns = server.server._http._server.server_state.connections
+        assert conns and all(
+            c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in conns
+        )

@@ -16,6 +16,7 @@ import torch
 
 from baton.common.model import CausalLM, fuse_residual_norms, run_layers
 from baton.kernels.cpu_extension import cpu_kernels
+from baton.kernels.linear_cpu import pack_linears
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
@@ -98,6 +99,8 @@ class ModelRunner:
             keep_freed_memory()
             if self.dtype in (torch.float32, torch.bfloat16):  # the C++ decode kernel's dtypes: build/load it now
                 cpu_kernels()
+            if self.dtype == torch.bfloat16:  # oneDNN reorders a plain bf16 weight on every call: once, here
+                pack_linears(self.model)
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         self.layers = [self.model.model.layers[i] for i in self.layer_ids]

@@ -107,12 +107,7 @@ class BatonService:
         cfg = core.model.config
         weight = next(core.model.parameters())
         spec = core.config.speculative
-        spec_mode = (
-            "none"
-            if spec is None
-            else f"{spec.method} k={spec.num_speculative_tokens}"
-            + (f" tree_width={spec.tree_width}" if spec.tree_width > 1 else "")
-        )
+        spec_mode = "none" if spec is None else spec.describe()
         return proto.baton("ModelInfoResponse")(
             name=self.rt.model_name,
             architecture=cfg.model_type or cfg.infer_model_type(),

@@ -58,6 +58,15 @@ class SpeculativeConfig:
             if self.lookahead_window < 1 or self.lookahead_ngram < 2 or self.lookahead_guesses < 1:
                 raise ValueError("lookahead needs lookahead_window >= 1, lookahead_ngram >= 2, lookahead_guesses >= 1")
 
+    def describe(self) -> str:
+        """The mode in a few words (ModelInfo's speculative_mode), e.g. "draft k=3 tree_width=2 tree_nodes=6"."""
+        if self.method == "lookahead":
+            return f"lookahead W={self.lookahead_window} N={self.lookahead_ngram} G={self.lookahead_guesses}"
+        out = f"{self.method} k={self.num_speculative_tokens}"
+        if self.tree_choices is not None:
+            return out + f" tree_choices={self.tree_choices}"
+        return out + (f" tree_width={self.tree_width} tree_nodes={self.node_budget}" if self.tree_width > 1 else "")
+
     @property
     def node_budget(self) -> int:
         """The most nodes a draft/Medusa token tree gets."""

@@ -201,3 +201,22 @@ def w8a8_matmul_ref(x_int8, x_scales, w_int8, w_scales, out_dtype=torch.float16)
     """(x_int8 @ w_int8^T, exact in int64) * x_scales[M, None] * w_scales[None, N]."""
     acc = (x_int8.long() @ w_int8.long().T).double()
     return (acc * x_scales.double()[:, None] * w_scales.double()[None, :]).to(out_dtype)
+
+
+def ssd_scan_ref(x, dt, A, B, C, initial_state=None):
+    """Mamba2's selective state-space recurrence, one token at a time (the specification the
+    chunked scans are checked against): per head, h_t = exp(dt_t * A) h_{t-1} + dt_t x_t B_t^T,
+    y_t = h_t C_t. x [b, l, h, p], dt [b, l, h], A [h], B and C [b, l, g, n] (heads share a
+    group's B/C), initial_state [b, h, p, n]; returns (y [b, l, h, p], final state), float32."""
+    b, length, heads, p = x.shape
+    rep = heads // B.shape[2]
+    Bh, Ch = (t.float().repeat_interleave(rep, dim=2) for t in (B, C))
+    state = torch.zeros(b, heads, p, B.shape[-1]) if initial_state is None else initial_state.float()
+    state = state.to(x.device)
+    ys = []
+    for t in range(length):
+        step = dt[:, t].float()
+        decay = torch.exp(step * A.float())[..., None, None]
+        state = state * decay + (step[..., None] * x[:, t].float())[..., None] * Bh[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    return torch.stack(ys, dim=1), state

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import re
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,12 +78,14 @@ class SequenceGrammar:
 
 
 class GrammarCache:
-    """Compiles StructuredOutputs against one tokenizer, once per distinct spec (LRU)."""
+    """Compiles StructuredOutputs against one tokenizer, once per distinct spec (LRU). Thread-safe:
+    servers validate (compile) in a worker thread while the engine steps in another."""
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_ids: set[int]):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._compiler: xgr.GrammarCompiler | None = None  # built on the first structured request
         self._compiled: collections.OrderedDict[tuple[str, str], xgr.CompiledGrammar] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
@@ -101,6 +104,10 @@ class GrammarCache:
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """The compiled grammar of a validated spec; ValueError naming it if xgrammar rejects it."""
+        with self._lock:
+            return self._compile(spec)
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         key = spec.key()
         compiled = self._compiled.get(key)
         if compiled is not None:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 
 import jsonschema
 import openai
 import pytest
 
 from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.llm import LLM
 from baton.serve.runtime import Limits
 from baton.serve.sampling_params import SamplingParams
 
@@ -134,7 +136,9 @@ def test_over_the_queue_limit_is_429_and_the_server_goes_on(server):
     assert client.completions.create(model="tiny", prompt="x", max_tokens=2).choices[0].finish_reason
 
 
-def test_loading_is_503_until_the_model_is_attached(model_dir):
+def test_loading_is_503_until_the_model_is_attached_and_chat_needs_a_template(llama_dir):
+    """llama_dir's tokenizer_config.json has no chat_template: chat is a clear 400, completions work."""
+    model_dir = llama_dir
     from baton.serve.async_engine import AsyncLLMEngine
     from baton.serve.server import BatonServer, ServerConfig
 
@@ -155,8 +159,41 @@ def test_loading_is_503_until_the_model_is_attached(model_dir):
         s.run(s.server.load())
         assert request(port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}, token=None)[0].status == 200
         assert request(port, "GET", "/health", token=None)[0].status == 200
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        resp, payload = request(port, "POST", "/v1/chat/completions", chat, token=None)
+        err = error_of(payload)
+        assert resp.status == 400 and err["param"] == "messages" and "no chat_template" in err["message"]
+        with pytest.raises(ValueError, match="no chat_template"):
+            LLM(model_dir, EngineConfig(num_kv_blocks=16, block_size=8)).chat(chat["messages"])
     finally:
         s.stop()
+
+
+def test_a_client_that_hangs_up_frees_its_request(server, caplog):
+    """Closing the connection mid-stream aborts the engine request (its slot and KV blocks free)."""
+    caplog.set_level("INFO", logger="baton.serve.requests")
+    port = server.server.http_port
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = {"model": "tiny", "prompt": "The", "max_tokens": 60, "ignore_eos": True, "stream": True}
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {"Authorization": "Bearer s3cret", "Content-Type": "application/json"},
+    )
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.close()
+    engine = server.server.rt.async_engine
+    deadline = time.monotonic() + 30
+    while (
+        server.server.rt.admission.active or engine.engine.has_unfinished_requests()
+    ) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.server.rt.admission.active == 0 and not engine.engine.has_unfinished_requests()
+    assert any("outcome=cancelled" in r.getMessage() for r in caplog.records)  # aborted, not run to its end
+    r = request(port, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert r[0].status == 200
 
 
 def test_response_format_constrains_the_output(server):

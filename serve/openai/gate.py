@@ -33,6 +33,14 @@ class PeerContext:
         return None
 
 
+def _length(headers: dict) -> int:
+    """The declared body size; a malformed Content-Length is left to the HTTP parser (uvicorn: 400)."""
+    try:
+        return int(headers.get(b"content-length", b"0") or 0)
+    except ValueError:
+        return 0
+
+
 class HttpGate:
     def __init__(self, app: ASGIApp, runtime: Runtime, token: str | None):
         self.app, self.rt = app, runtime
@@ -49,7 +57,7 @@ class HttpGate:
         elif self.rt.state != "serving":
             why = REFUSALS[self.rt.state] + (f": {self.rt.failure_reason}" if self.rt.state == "failed" else "")
             refusal = (503, grpc.StatusCode.UNAVAILABLE, why)
-        elif int(headers.get(b"content-length", b"0") or 0) > self.rt.limits.max_message_bytes:
+        elif _length(headers) > self.rt.limits.max_message_bytes:
             why = f"request body is larger than this server's limit of {self.rt.limits.max_message_bytes} bytes"
             refusal = (413, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         if refusal is None:

@@ -66,7 +66,7 @@ def model_dir(llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    limits = Limits(max_output_tokens=64, max_n=4, max_concurrent=1, max_queued=0)
+    limits = Limits(max_output_tokens=64, max_n=4, max_concurrent=1, max_queued=0, max_message_bytes=64 * 2**10)
     s = ServerThread(model_dir, num_kv_blocks=128, http_port=0, auth_token="s3cret", limits=limits)
     yield s
     s.stop()
@@ -101,6 +101,9 @@ def test_every_bad_input_is_refused_with_its_status_and_the_server_goes_on(serve
         assert err["param"] == param, (body, err)
     resp, payload = request(port, "POST", "/v1/completions", raw=b'{"prompt": ')  # not JSON
     assert resp.status == 400 and error_of(payload)["type"] == "invalid_request_error"
+    big = json.dumps({"model": "tiny", "prompt": "x" * 100_000}).encode()  # over --max-message-mb
+    resp, payload = request(port, "POST", "/v1/completions", raw=big)
+    assert resp.status == 413 and error_of(payload)["code"] == "request_too_large"
     resp, payload = request(port, "GET", "/v1/nothing-here")
     assert resp.status == 404 and error_of(payload)
     resp, _ = request(port, "POST", "/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 3})

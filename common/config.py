@@ -17,9 +17,22 @@ import torch
 
 from baton.common.errors import UserError
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "bamba")
 ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+BAMBA_FIELDS = (
+    "attn_layer_indices",
+    "mamba_n_heads",
+    "mamba_d_head",
+    "mamba_n_groups",
+    "mamba_d_state",
+    "mamba_d_conv",
+    "mamba_expand",
+    "mamba_chunk_size",
+    "mamba_conv_bias",
+    "mamba_proj_bias",
+    "time_step_limit",
+)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -54,6 +67,19 @@ class ModelConfig:
     pad_token_id: int | None = None
     torch_dtype: str = "float32"
     model_type: str | None = None  # None: inferred from the features (see infer_model_type)
+    # Bamba (hybrid Mamba2 + attention; HF BambaConfig's names). Layers not in attn_layer_indices
+    # hold a Mamba2 mixer (baton.common.ssm); meaningless for the other families, which omit them.
+    attn_layer_indices: list[int] | None = None
+    mamba_n_heads: int = 128
+    mamba_d_head: int | None = None  # None (HF: "auto"): mamba_expand * hidden_size // mamba_n_heads
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 256
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    time_step_limit: list[float] = field(default_factory=lambda: [0.0, float("inf")])
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
 
     def __post_init__(self) -> None:
@@ -63,6 +89,9 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type is None:
             self.model_type = self.infer_model_type()
+        if self.mamba_d_head is None and self.mamba_n_heads:
+            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
+        self.time_step_limit = [float(v) for v in self.time_step_limit]
         self.validate()
 
     # ----------------------------------------------------------------------------- validation
@@ -135,6 +164,8 @@ class ModelConfig:
         )
         self._validate_rope_scaling(need)
         self._validate_family(need)
+        if self.model_type == "bamba":
+            self._validate_bamba(need)
 
     def _validate_rope_scaling(self, need) -> None:
         rs = self.rope_scaling
@@ -167,8 +198,12 @@ class ModelConfig:
             f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {self.qkv_bias})",
         )
         need(
-            t == "llama" or not self.attention_bias,
+            t in ("llama", "bamba") or not self.attention_bias,
             f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it",
+        )
+        need(
+            t == "bamba" or self.attn_layer_indices is None,
+            f"attn_layer_indices picks Bamba's attention layers; model_type {t!r} has no other kind",
         )
         need(
             t != "llama" or self.sliding_window is None,
@@ -182,7 +217,52 @@ class ModelConfig:
             f"per-layer attention types are Qwen2's; model_type {t!r} cannot express mixed layer_types",
         )
 
+    def _validate_bamba(self, need) -> None:
+        """Shapes a Mamba2 mixer needs (HF BambaConfig.validate_architecture, and more)."""
+        for name in ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        need(self.mamba_chunk_size > 0, f"mamba_chunk_size must be positive, got {self.mamba_chunk_size}")
+        inner = self.mamba_expand * self.hidden_size
+        need(
+            self.mamba_d_head * self.mamba_n_heads == inner,
+            f"mamba_d_head * mamba_n_heads ({self.mamba_d_head} * {self.mamba_n_heads}) must equal "
+            f"mamba_expand * hidden_size ({inner})",
+        )
+        need(
+            self.mamba_n_heads % self.mamba_n_groups == 0,
+            f"mamba_n_heads ({self.mamba_n_heads}) must be divisible by mamba_n_groups ({self.mamba_n_groups})",
+        )
+        idx = self.attn_layer_indices or []
+        need(
+            all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in idx) and len(set(idx)) == len(idx),
+            f"attn_layer_indices must be distinct layer indices in 0..{self.num_hidden_layers - 1}, got {idx}",
+        )
+        need(
+            self.head_dim % 4 == 0,
+            f"bamba rotates half of each head: head_dim must be a multiple of 4, got {self.head_dim}",
+        )
+        lo, hi = (self.time_step_limit + [None, None])[:2]
+        need(
+            len(self.time_step_limit) == 2 and 0 <= lo <= hi,
+            f"time_step_limit must be [min, max], got {self.time_step_limit}",
+        )
+        need(self.sliding_window is None and self.layer_types is None, "bamba has no sliding-window attention")
+
     # ------------------------------------------------------------------------------ derived
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers hold a recurrent (Mamba2) mixer instead of attention."""
+        return self.model_type == "bamba"
+
+    def is_attention_layer(self, layer_idx: int) -> bool:
+        return not self.is_hybrid or layer_idx in (self.attn_layer_indices or [])
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (Bamba: the first half, HF's partial_rotary_factor 0.5)."""
+        return self.head_dim // 2 if self.is_hybrid else self.head_dim
+
     def is_sliding(self, layer_idx: int) -> bool:
         if self.sliding_window is None:
             return False
@@ -203,14 +283,33 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
         mlp = 3 * h * i * max(1, self.num_local_experts) + (h * self.num_local_experts)
-        layer = attn + mlp + 2 * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embed + h
+        n_attn = sum(self.is_attention_layer(j) for j in range(self.num_hidden_layers))
+        return (
+            n_attn * attn
+            + (self.num_hidden_layers - n_attn) * self._mixer_parameters()
+            + self.num_hidden_layers * (mlp + 2 * h)
+            + embed
+            + h
+        )
+
+    def _mixer_parameters(self) -> int:
+        inner, heads = self.mamba_expand * self.hidden_size, self.mamba_n_heads
+        conv_dim = inner + 2 * self.mamba_n_groups * self.mamba_d_state
+        proj = self.hidden_size * (inner + conv_dim + heads) + inner * self.hidden_size
+        if self.mamba_proj_bias:
+            proj += inner + conv_dim + heads + self.hidden_size
+        conv = conv_dim * self.mamba_d_conv + (conv_dim if self.mamba_conv_bias else 0)
+        return proj + conv + 3 * heads + inner  # + dt_bias, A_log, D, gated norm
 
     # ------------------------------------------------------------------------------ (de)serialise
     def to_dict(self) -> dict[str, Any]:
+        """The fields; the Bamba-only ones only for bamba (other families' dicts stay as they were)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        if not self.is_hybrid:
+            for name in BAMBA_FIELDS:
+                d.pop(name)
         return d
 
     @classmethod

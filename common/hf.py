@@ -25,7 +25,22 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
+# Bamba's own keys (HF BambaConfig), read and written under the same names.
+_BAMBA_KEYS = (
+    "attn_layer_indices",
+    "mamba_n_heads",
+    "mamba_d_head",
+    "mamba_n_groups",
+    "mamba_d_state",
+    "mamba_d_conv",
+    "mamba_expand",
+    "mamba_chunk_size",
+    "mamba_conv_bias",
+    "mamba_proj_bias",
+    "time_step_limit",
+)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -44,7 +59,7 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """A Baton config from an HF config.json dict (Llama, Mistral, Qwen2 or Mixtral)."""
+    """A Baton config from an HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Bamba)."""
     model_type = d.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"unsupported model_type {model_type!r}: Baton reads {', '.join(ARCHITECTURES)}")
@@ -79,7 +94,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         sliding_window=sliding,
         layer_types=layer_types,
-        attention_bias=bool(d.get("attention_bias", False)) if model_type == "llama" else False,
+        attention_bias=bool(d.get("attention_bias", False)) if model_type in ("llama", "bamba") else False,
         qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         num_local_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
@@ -91,7 +106,21 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         torch_dtype=dtype,
         model_type=model_type,
     )
+    if model_type == "bamba":
+        kwargs.update(_bamba_from_hf(d))
     return ModelConfig(**kwargs)
+
+
+def _bamba_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    rope = d.get("rope_parameters") or {}
+    if rope.get("partial_rotary_factor", 0.5) != 0.5:
+        raise ConfigError("bamba rotates half of each head (partial_rotary_factor 0.5); got a different factor")
+    out = {k: d[k] for k in _BAMBA_KEYS if k in d and d[k] is not None}
+    if out.get("mamba_d_head") == "auto":
+        out.pop("mamba_d_head")
+    if "time_step_limit" in out:
+        out["time_step_limit"] = list(out["time_step_limit"])
+    return out
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -123,6 +152,10 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d.update(attention_bias=cfg.attention_bias, mlp_bias=False)
     elif cfg.model_type in ("mistral", "mixtral"):
         d["sliding_window"] = cfg.sliding_window
+    if cfg.model_type == "bamba":
+        d.update({k: getattr(cfg, k) for k in _BAMBA_KEYS}, attention_bias=cfg.attention_bias, mlp_bias=False)
+        d["attn_layer_indices"] = d["attn_layer_indices"] or []
+        d["rope_parameters"] = {**rope_parameters, "partial_rotary_factor": 0.5}
     if cfg.model_type == "mixtral":
         d.update(num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
     if cfg.model_type == "qwen2":

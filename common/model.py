@@ -1,7 +1,8 @@
 """The one model definition: a plain PyTorch Llama-family decoder.
 
 Covers Llama (GQA/MQA, llama3 rope scaling, optional attention bias), Mistral (sliding window),
-Qwen2 (q/k/v bias) and Mixtral (top-k routed SwiGLU experts). Parameter names equal the Hugging
+Qwen2 (q/k/v bias), Mixtral (top-k routed SwiGLU experts) and the hybrid Bamba (Mamba2 mixers,
+baton.common.ssm, in the layers that hold no attention). Parameter names equal the Hugging
 Face checkpoint names, so a state dict is a checkpoint and vice versa.
 
 The model never decides how attention is computed: the attention core (scores, softmax, ·V) is a
@@ -21,6 +22,7 @@ from torch import nn
 
 from baton.common.config import ModelConfig
 from baton.common.rope import inv_frequencies, rotary_cos_sin
+from baton.common.ssm import Mamba2Mixer
 from baton.kernels import apply_rotary, rms_norm, swiglu
 
 
@@ -72,6 +74,7 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         self.scaling = self.head_dim**-0.5
+        self.rotary_dim = cfg.rotary_dim
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         h = cfg.hidden_size
@@ -86,12 +89,23 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
         t = b * s
-        q, k = apply_rotary(
-            q.reshape(t, self.num_heads, -1),
-            k.reshape(t, self.num_kv_heads, -1),
-            cos.reshape(t, -1),
-            sin.reshape(t, -1),
-        )
+        if self.rotary_dim == self.head_dim:
+            q, k = apply_rotary(
+                q.reshape(t, self.num_heads, -1),
+                k.reshape(t, self.num_kv_heads, -1),
+                cos.reshape(t, -1),
+                sin.reshape(t, -1),
+            )
+        else:  # partial rotary (Bamba): the first rotary_dim channels turn, the rest pass through
+            r = self.rotary_dim
+            qr, kr = apply_rotary(
+                q[..., :r].reshape(t, self.num_heads, r),
+                k[..., :r].reshape(t, self.num_kv_heads, r),
+                cos.reshape(t, -1),
+                sin.reshape(t, -1),
+            )
+            q = torch.cat([qr.view(b, s, self.num_heads, r), q[..., r:]], dim=-1)
+            k = torch.cat([kr.view(b, s, self.num_kv_heads, r), k[..., r:]], dim=-1)
         out = attn(q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1), v, self)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
@@ -191,8 +205,7 @@ class MoE(nn.Module):
         returns each row through its expert, in the same order (one matmul chain per expert)."""
         run_empty = self.always_run_experts or torch.is_grad_enabled()
         ys = [
-            self.experts[e](part) if part.shape[0] or run_empty else part
-            for e, part in zip(experts, xs.split(counts))
+            self.experts[e](part) if part.shape[0] or run_empty else part for e, part in zip(experts, xs.split(counts))
         ]
         return torch.cat(ys) if ys else xs
 
@@ -223,20 +236,48 @@ class DecoderLayer(nn.Module):
         return x + ffn(self.post_attention_layernorm(x))
 
 
+class HybridDecoderLayer(nn.Module):
+    """A Bamba layer: a Mamba2 mixer (`mamba`) or attention (`self_attn`, in attn_layer_indices),
+    then the SwiGLU `feed_forward`; HF's names, so the handoff loads in BambaForCausalLM."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        if cfg.is_attention_layer(layer_idx):
+            self.self_attn = Attention(cfg, layer_idx)
+        else:
+            self.mamba = Mamba2Mixer(cfg, layer_idx)
+        self.feed_forward = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        x = x + (self.mamba(h) if hasattr(self, "mamba") else self.self_attn(h, cos, sin, attn))
+        return x + self.feed_forward(self.pre_ff_layernorm(x))
+
+
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer = HybridDecoderLayer if cfg.is_hybrid else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        if cfg.is_hybrid:  # Bamba's checkpoint name for the final norm
+            self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # A plain float32 attribute, not a buffer: model.to(bfloat16) must not round frequencies.
-        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return self.final_layernorm if hasattr(self, "final_layernorm") else self.norm
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         x = self.embed_tokens(input_ids)
-        return self.norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
+        return self.final_norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
 
 
 def fuse_residual_norms(model: nn.Module) -> nn.Module:
@@ -300,18 +341,21 @@ class CausalLM(nn.Module):
 
 
 def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
-    """Llama-style init: normal(0, initializer_range) for matrices, ones for norms, zero biases."""
+    """Llama-style init: normal(0, initializer_range) for matrices (and convolutions), ones for
+    norms, zero biases; Mamba2's own init for the SSM parameters."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     std = model.config.initializer_range
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv1d)):
                 w = torch.empty(module.weight.shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
                 module.weight.copy_(w)
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, Mamba2Mixer):
+                module.reset_ssm_parameters()
     return model
 
 

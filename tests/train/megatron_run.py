@@ -54,6 +54,7 @@ CASES: dict[str, dict] = {
     # (where a rank sends to the same peer in both directions at once)
     "pp2_vp2": {"megatron": {"pp": 2, "vp": 2}, "micro": 1},
     "tp2_pp2": {"megatron": {"tp": 2, "pp": 2}},
+    "tp2_bf16": {"megatron": {"tp": 2}, "precision": "bf16"},
     "tp2_distopt": {"megatron": {"tp": 2, "distributed_optimizer": True}, "save": SAVE_AT},
     "resume_pp2_distopt": {"megatron": {"pp": 2, "distributed_optimizer": True}, "resume": "tp2_distopt"},
     # The upstream trap, kept as a canary: interleaved stages with batched p2p compute wrong numbers.
@@ -80,7 +81,8 @@ def run_case(name: str, out: Path) -> dict:
     spec, rank, world = CASES[name], dist.get_rank(), dist.get_world_size()
     micro = spec.get("micro", MICRO)
     overrides = [f"megatron.{k}={json.dumps(v)}" for k, v in spec["megatron"].items()]
-    cfg = config_from_dict({**RECIPE, "backend": "megatron", "micro_batch_size": micro}, overrides)
+    recipe = {**RECIPE, "backend": "megatron", "micro_batch_size": micro, "precision": spec.get("precision", "fp32")}
+    cfg = config_from_dict(recipe, overrides)
     backend = MegatronBackend(cfg, build_model(ModelConfig(**MODEL), seed=0), DenseCausalAttention(), Dist(rank, world))
     if "batch_p2p_comm" in spec:
         backend.tcfg.batch_p2p_comm = spec["batch_p2p_comm"]

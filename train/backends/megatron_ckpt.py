@@ -16,6 +16,7 @@ parameter.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from baton.train.backends import Layout
 from baton.train.universal import WEIGHTS_FILE
 
 MEGATRON_DIR = "megatron"
+LAYOUT_FILE = "parallel_layout.json"
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
@@ -53,6 +55,16 @@ def save(backend, directory: Path) -> None:
     weights = whole_weights(backend)
     if backend.dist.is_main:
         save_file(weights, directory / WEIGHTS_FILE, metadata={"format": "pt"})
+        m = backend.m  # the layout the handoff's metadata reports (as torch3d's parallel_layout.json)
+        layout = {
+            "dp": backend.dp,
+            "pp": m.pp,
+            "cp": 1,
+            "tp": m.tp,
+            "vp": m.vp,
+            "sequence_parallel": m.sequence_parallel,
+        }
+        (directory / LAYOUT_FILE).write_text(json.dumps(layout, indent=2) + "\n")
 
 
 def load(backend, directory: Path, saved: Layout) -> None:

@@ -107,6 +107,8 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     assert engine.speculative.stats.proposed > 0
     if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead"):
         assert engine.speculative.stats.accepted > 0
+    if mode in ("draft-tree", "lookahead"):  # the agreeing draft / the loop prompt: deeper than one token too
+        assert all(a > 0 for a in engine.speculative.stats.accepted_by_depth[:2]), engine.speculative.stats
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
     if mode.startswith("draft"):

@@ -177,6 +177,17 @@ def test_bad_tree_configs_are_refused(spec, words):
         EngineConfig(speculative=spec).validate()
 
 
+def test_a_bad_combination_is_refused_before_serving(monkeypatch, tmp_path, capsys):
+    import baton.serve.server as server_module
+    from baton.common.cli import main
+
+    seen = []
+    monkeypatch.setattr(server_module, "run", lambda config: seen.append(config) or 0)
+    argv = ["serve", "--model", str(tmp_path), "--speculative", "lookahead", "--speculative-tree-width", "2"]
+    assert main(argv) == 2
+    assert "token trees" in capsys.readouterr().err and not seen
+
+
 def test_topology_deeper_than_the_heads_is_refused(models):  # noqa: F811
     d, _ = models
     spec = SpeculativeConfig("medusa", 4, tree_choices="[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]")

@@ -191,7 +191,12 @@ class OpenAIFront:
                 raise BadParam("prompt is empty", "prompt")
             gens = [self._generate("openai/v1/completions", p, params, http) for p in prompts]
             firsts = await _prime(gens)
-            echoed = await self._echo(firsts, req)
+            try:
+                echoed = await self._echo(firsts, req)
+            except BaseException:
+                for g in gens:  # admitted and running: abort them
+                    await g.aclose()
+                raise
             rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
             head = R.header(rid, "text_completion", created, self.rt.model_name)
             if req.stream:

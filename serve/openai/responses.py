@@ -13,8 +13,9 @@ from baton.serve.outputs import CompletionOutput, RequestOutput
 TokenLogprobs = dict[int, float]
 
 
-def _piece(tok: Tokenizer, t: int) -> str:
-    return tok.decode([t])
+def _piece(tok: Tokenizer | None, t: int) -> str:
+    """A token's text; without a tokenizer vLLM's "token_id:<id>" form."""
+    return f"token_id:{t}" if tok is None else tok.decode([t])
 
 
 def completion_logprobs(

@@ -1,0 +1,90 @@
+"""bf16 CPU linears from a once-reordered oneDNN weight (kernels/linear_cpu.py) against the float32
+reference, the model runner's use of them (greedy tokens equal the plain path's), and the fallback."""
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from baton.common.config import ModelConfig
+from baton.common.model import build_model
+from baton.kernels import linear_cpu
+from baton.kernels.linear_cpu import PackedLinear, linear_reference, pack_linears, pack_weight, packed_linear
+from baton.serve.model_runner import ModelRunner
+from baton.serve.sampling_params import SamplingParams
+from baton.serve.sequence import Sequence
+
+needs_onednn = pytest.mark.skipif(not linear_cpu.prepacked_available(), reason="no oneDNN bf16 on this CPU")
+BF16 = dict(rtol=2**-7, atol=1e-6)  # one rounding of the float32 sum to bf16 apart at most
+
+CFG = ModelConfig(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=136,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
+@needs_onednn
+@pytest.mark.parametrize("m,n,k", [(1, 1536, 1024), (3, 7, 33), (8, 96, 2816), (5, 13, 100), (64, 17, 63), (2, 1, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(2, m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    with torch.inference_mode():
+        y = packed_linear(x, pack_weight(w), b)
+    assert y.shape == (2, m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), linear_reference(x, w, b).float(), **BF16)
+
+
+def test_pack_weight_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="bfloat16 CPU"):
+        pack_weight(torch.randn(4, 8))
+
+
+def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
+    """Prefill, then one decode row per step, each time the argmax token."""
+    seq = Sequence(0, "r", 0, list(prompt), SamplingParams())
+    seq.block_table = list(range(8))
+    n = len(prompt)
+    for _ in range(steps):
+        logits = runner.execute([(seq, n)]).logits
+        seq.num_computed_tokens += n
+        seq.token_ids.append(int(logits[-1].argmax()))
+        n = 1
+    return seq.output_token_ids
+
+
+@needs_onednn
+def test_the_model_runner_packs_bf16_linears_and_greedy_tokens_stay_the_same(monkeypatch):
+    model = build_model(CFG, seed=0).to(torch.bfloat16)
+    packed = ModelRunner(copy.deepcopy(model), num_blocks=8, block_size=8)
+    monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
+    plain = ModelRunner(model, num_blocks=8, block_size=8)
+    # per layer the fused qkv_proj and gate_up_proj, o_proj and down_proj; and the (untied) LM head
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 4 * CFG.num_hidden_layers + 1
+    assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+    prompt = torch.randint(0, CFG.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
+    # bf16 logits of the two paths agree to rounding; a near-tie could still flip an argmax, which
+    # these seeds do not have (the float32 accumulation is the same up to summation order)
+    assert greedy(packed, prompt, 12) == greedy(plain, prompt, 12)
+
+
+def test_without_onednn_bf16_nothing_is_packed(monkeypatch):
+    monkeypatch.setattr(linear_cpu, "_supported", lambda: False)
+    model = build_model(CFG, seed=0).to(torch.bfloat16)
+    assert pack_linears(model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+@needs_onednn
+def test_a_tied_lm_head_keeps_its_shared_weight():
+    model = build_model(dataclasses.replace(CFG, tie_word_embeddings=True), seed=0).to(torch.bfloat16)
+    assert pack_linears(model) == 7 * CFG.num_hidden_layers  # every projection; not the tied head
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight

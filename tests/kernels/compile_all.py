@@ -102,6 +102,19 @@ def _elementwise(name, dtype):
     return run
 
 
+def _ssd_scan(dtype, d_state, head_dim, with_state):
+    def run():
+        from baton.kernels.ssd_scan import ssd_scan_triton
+
+        b, length, heads, groups = 2, 100, 8, 2
+        x = torch.zeros(b, length, heads, head_dim, dtype=dtype)
+        bc = torch.zeros(b, length, groups, d_state, dtype=dtype)
+        init = torch.zeros(b, heads, head_dim, d_state) if with_state else None
+        ssd_scan_triton(x, torch.zeros(b, length, heads), torch.zeros(heads), bc, bc, init)
+
+    return run
+
+
 def _quant(fmt, dtype, m):
     def run():
         from baton.kernels import quant_matmul as qm, w8a8
@@ -151,6 +164,9 @@ CASES = {
         for m in (4, 100)
     },
     "quantize_per_token_bf16": _quant("quantize_per_token", bf16, 100),
+    "ssd_scan_bf16_n128_p64": _ssd_scan(bf16, 128, 64, with_state=False),
+    "ssd_scan_bf16_n256_p64_state": _ssd_scan(bf16, 256, 64, with_state=True),
+    "ssd_scan_f32_n16_p8_state": _ssd_scan(f32, 16, 8, with_state=True),
 }
 
 

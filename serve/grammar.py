@@ -69,13 +69,6 @@ class SequenceGrammar:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    def allows(self, token: int) -> bool:
-        """Whether `token` may come next; the matcher is left where it was."""
-        if self.matcher.accept_token(token):
-            self.matcher.rollback(1)
-            return True
-        return False
-
 
 class GrammarCache:
     """Compiles StructuredOutputs against one tokenizer, once per distinct spec (LRU). Thread-safe:

@@ -118,8 +118,8 @@ def _bamba_from_hf(d: dict[str, Any]) -> dict[str, Any]:
     out = {k: d[k] for k in _BAMBA_KEYS if k in d and d[k] is not None}
     if out.get("mamba_d_head") == "auto":
         out.pop("mamba_d_head")
-    if "time_step_limit" in out:
-        out["time_step_limit"] = list(out["time_step_limit"])
+    if "time_step_limit" in out:  # transformers 5 writes inf as {"__float__": "Infinity"}
+        out["time_step_limit"] = [float(v["__float__"]) if isinstance(v, dict) else v for v in out["time_step_limit"]]
     return out
 
 

@@ -52,7 +52,7 @@ CASES: dict[str, dict] = {
     "pp2": {"megatron": {"pp": 2, "recompute": "full"}},
     # micro-batches of 1 sample: 4 per rank, so the interleaved schedule reaches its steady state
     # (where a rank sends to the same peer in both directions at once)
-    "pp2_vp2": {"megatron": {"pp": 2, "vp": 2}, "micro": 1},
+    "pp2_vp2": {"megatron": {"pp": 2, "vp": 2}, "micro": 1, "eval": True},
     "tp2_pp2": {"megatron": {"tp": 2, "pp": 2}},
     "tp2_bf16": {"megatron": {"tp": 2}, "precision": "bf16"},
     "tp2_distopt": {"megatron": {"tp": 2, "distributed_optimizer": True}, "save": SAVE_AT},
@@ -87,6 +87,8 @@ def run_case(name: str, out: Path) -> dict:
     if "batch_p2p_comm" in spec:
         backend.tcfg.batch_p2p_comm = spec["batch_p2p_comm"]
     rec: dict = {"batch_p2p_comm": backend.tcfg.batch_p2p_comm, "losses": [], "norms": [], "start": 0}
+    if spec.get("eval"):  # validation batches of 3 and 4 rows through the schedule, before training
+        rec["eval"] = [backend.eval_loss(batch(0)[:rows]) for rows in (3, 4)]
     if "resume" in spec:
         backend.load(out / spec["resume"] / f"step_{SAVE_AT}", backend.layout)
         rec["start"] = SAVE_AT

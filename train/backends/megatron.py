@@ -181,6 +181,10 @@ class MegatronBackend:
         self.tcfg = transformer_config(mc, m, cfg.precision)
         chunks = build_chunks(mc, self.tcfg, m)
         load_baton_weights(chunks, model.state_dict(), mc, m)
+        if self.tcfg.bf16:  # megatron's bf16: the whole chunk (norms too) in bf16, fp32 loss outputs
+            from megatron.core.transformer.module import Float16Module
+
+            chunks = [Float16Module(self.tcfg, c) for c in chunks]
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=m.distributed_optimizer
         )
@@ -268,7 +272,10 @@ class MegatronBackend:
         for c in self.chunks:
             c.eval()
         try:
-            parts = list(batch.chunk(self.m.pp)) if batch.shape[0] % self.m.pp == 0 else [batch]
+            # The pipeline schedules want equal micro-batches, the interleaved one a multiple of pp
+            # of them: pp parts, or every row pp times (which leaves the mean loss as it is).
+            pp, rows = self.m.pp, batch.shape[0]
+            parts = list(batch.chunk(pp)) if rows % pp == 0 else list(batch.split(1)) * pp
             return self._run(parts, forward_only=True) / (len(parts) * self.dp)
         finally:
             for c in self.chunks:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.config import ConfigError
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.block_manager import BlockManager
@@ -115,6 +116,11 @@ class LLMEngine:
         config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = self.model_config = model.config if runner is None else runner.model_config
+        if mcfg.is_hybrid:  # its mixers need per-sequence recurrent state the pools do not hold yet
+            raise ConfigError(
+                f"model_type {mcfg.model_type!r} (Mamba2 + attention hybrid) cannot be served yet: the engine "
+                "has no recurrent-state slots for its mixer layers"
+            )
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)

@@ -165,3 +165,11 @@ def test_config_shapes_and_errors():
             _cfg(**overrides)
     with pytest.raises(ConfigError, match="attn_layer_indices picks Bamba's attention layers"):
         ModelConfig(**{**llama.to_dict(), "attn_layer_indices": [0]})
+
+
+def test_serving_refuses_the_hybrid_with_a_clear_message():
+    """Until the engine has recurrent-state slots, a Bamba model is refused at start-up."""
+    from baton.serve.engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="'bamba' .* cannot be served yet"):
+        LLMEngine(build_model(_cfg()))

@@ -415,57 +415,9 @@ class TrainConfig:
         if self.backend != "megatron":
             need(m == MegatronConfig(), "the megatron section needs backend: megatron")
             return
-        for name in ("tp", "pp", "vp"):
-            v = getattr(m, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"megatron.{name} must be >= 1, got {v!r}")
-        need(
-            m.recompute in RECOMPUTE_MODES, f"megatron.recompute must be one of {RECOMPUTE_MODES}, got {m.recompute!r}"
-        )
-        need(
-            self.recompute == RecomputeConfig(),
-            "backend megatron recomputes with megatron's own granularities: set megatron.recompute, not recompute.mode",
-        )
-        need(not self.compile, "compile: true is not supported by backend megatron")
-        need(self.attention == "sdpa", "backend megatron uses megatron's attention core: leave attention at sdpa")
-        need(
-            self.precision in ("fp32", "bf16"), f"backend megatron runs fp32 or bf16, got precision {self.precision!r}"
-        )
-        need(not self.init_from, "init_from is not supported by backend megatron yet")
-        need(not m.sequence_parallel or m.tp > 1, "megatron.sequence_parallel needs megatron.tp > 1")
-        need(
-            not m.sequence_parallel or self.data.seq_len % m.tp == 0,
-            f"megatron.sequence_parallel needs data.seq_len {self.data.seq_len} divisible by tp={m.tp}",
-        )
-        need(m.vp == 1 or m.pp > 1, "megatron.vp > 1 (interleaved pipeline) needs megatron.pp > 1")
-        try:
-            import megatron.core
-        except ImportError:
-            need(False, "backend megatron needs megatron-core: pip install -e '.[megatron]'")
-        from baton.train.backends.megatron_compat import PINNED
+        from baton.train.backends.megatron import check_recipe
 
-        need(
-            torch.cuda.is_available() or megatron.core.__version__ == PINNED,
-            f"backend megatron on a machine without CUDA needs megatron-core=={PINNED} (its CPU patches are "
-            f"pinned), found {megatron.core.__version__}",
-        )
-        world = read_launch().world_size
-        need(
-            world % (m.tp * m.pp) == 0,
-            f"world size {world} is not divisible by megatron.tp x megatron.pp = {m.tp} x {m.pp}",
-        )
-        accum = self.accum_steps(max(1, world // (m.tp * m.pp)))
-        need(
-            m.pp == 1 or accum >= m.pp,
-            f"megatron's pipeline schedules need at least pp={m.pp} micro-batches per step, got {accum} "
-            "(raise global_batch_size or grad_accum_steps)",
-        )
-        need(
-            m.vp == 1 or accum % m.pp == 0,
-            f"megatron's interleaved schedule needs the micro-batches per step ({accum}) to be a multiple of pp={m.pp}",
-        )
-        from baton.train.backends.megatron import check_model
-
-        check_model(self.model_config(vocab_size=self.model.get("vocab_size", 1024)), m)
+        check_recipe(need, self)
 
     def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer. The recipe's

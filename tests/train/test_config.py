@@ -31,7 +31,7 @@ from .conftest import TINY
         (["data.seq_len=128"], "data.seq_len 128 exceeds the model's max_position_embeddings 64"),
         (["model.torch_dtype=bfloat16"], "training keeps float32 weights"),
         (["model.num_key_value_heads=3"], "must be divisible by num_key_value_heads"),
-        (["backend=megatron"], "backend must be one of"),
+        (["backend=horovod"], "backend must be one of"),
         (["recompute.mode=partial"], "recompute.mode must be one of"),
         (["checkpoint.resume=/no/such/run"], "checkpoint.resume must be 'auto', 'never' or an existing"),
         (["checkpoint.keep_last=0"], "checkpoint.keep_last must be >= 1"),

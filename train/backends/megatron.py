@@ -154,6 +154,61 @@ def check_model(mc: ModelConfig, m: MegatronConfig) -> None:
     check_layout(mc, m.tp, m.pp, m.vp)
 
 
+def check_recipe(need, cfg: TrainConfig) -> None:
+    """The recipe's checks for backend megatron (TrainConfig.validate runs them before any work):
+    megatron-core present at the pinned version, the layout against the launcher's world size and
+    the model, options megatron would reject or silently ignore."""
+    from baton.train.config import RECOMPUTE_MODES, RecomputeConfig
+    from baton.train.distributed import read_launch
+
+    m = cfg.megatron
+    for name in ("tp", "pp", "vp"):
+        v = getattr(m, name)
+        need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"megatron.{name} must be >= 1, got {v!r}")
+    need(m.recompute in RECOMPUTE_MODES, f"megatron.recompute must be one of {RECOMPUTE_MODES}, got {m.recompute!r}")
+    need(
+        cfg.recompute == RecomputeConfig(),
+        "backend megatron recomputes with megatron's own granularities: set megatron.recompute, not recompute.mode",
+    )
+    need(not cfg.compile, "compile: true is not supported by backend megatron")
+    need(cfg.attention == "sdpa", "backend megatron uses megatron's attention core: leave attention at sdpa")
+    need(cfg.precision in ("fp32", "bf16"), f"backend megatron runs fp32 or bf16, got precision {cfg.precision!r}")
+    need(not cfg.init_from, "init_from is not supported by backend megatron yet")
+    need(not m.sequence_parallel or m.tp > 1, "megatron.sequence_parallel needs megatron.tp > 1")
+    need(
+        not m.sequence_parallel or cfg.data.seq_len % m.tp == 0,
+        f"megatron.sequence_parallel needs data.seq_len {cfg.data.seq_len} divisible by tp={m.tp}",
+    )
+    need(m.vp == 1 or m.pp > 1, "megatron.vp > 1 (interleaved pipeline) needs megatron.pp > 1")
+    try:
+        import megatron.core
+    except ImportError:
+        need(False, "backend megatron needs megatron-core: pip install -e '.[megatron]'")
+    from baton.train.backends.megatron_compat import PINNED
+
+    need(
+        torch.cuda.is_available() or megatron.core.__version__ == PINNED,
+        f"backend megatron on a machine without CUDA needs megatron-core=={PINNED} (its CPU patches are "
+        f"pinned), found {megatron.core.__version__}",
+    )
+    world = read_launch().world_size
+    need(
+        world % (m.tp * m.pp) == 0,
+        f"world size {world} is not divisible by megatron.tp x megatron.pp = {m.tp} x {m.pp}",
+    )
+    accum = cfg.accum_steps(max(1, world // (m.tp * m.pp)))
+    need(
+        m.pp == 1 or accum >= m.pp,
+        f"megatron's pipeline schedules need at least pp={m.pp} micro-batches per step, got {accum} "
+        "(raise global_batch_size or grad_accum_steps)",
+    )
+    need(
+        m.vp == 1 or accum % m.pp == 0,
+        f"megatron's interleaved schedule needs the micro-batches per step ({accum}) to be a multiple of pp={m.pp}",
+    )
+    check_model(cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024)), m)
+
+
 class MegatronBackend:
     def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
         from baton.train.backends import megatron_compat

@@ -2,14 +2,15 @@
 
 torch's `F.linear` on a bf16 CPU tensor goes to oneDNN, which reorders the plain [N, K] weight
 into its blocked (AMX / AVX-512 BF16) layout on every call. At decode (M = the batch, 1-64 rows)
-that reorder is most of the call: the weight is read, written and read again, and a bf16 GEMV came
+that reorder costs a third of the call or more (the weight is read, written and read again), and a bf16 GEMV came
 out no faster than fp32's, which moves twice the bytes. `torch.ops.mkldnn._reorder_linear_weight`
 (what inductor's freezing pass uses) does the reorder once; `_linear_pointwise` then multiplies
-with it. Measured at the 110M model's shapes (docs/benchmarks.md, "Serving speed"): 1.5-1.9x at
-M = 1..64 and equal at prefill sizes (M = 2048), so one packed copy replaces the plain weight for
-every M and serving keeps no second copy. A hand-written AVX-512 BF16 (`_mm512_dpbf16_ps`) GEMV was
-measured too: ~10% faster at M = 1, but slower from M = 4 (it has no AMX) and it needs the plain
-weight beside the packed one, so it was not kept.
+with it. Measured over the 110M serving model's linears (docs/benchmarks.md, "Serving speed"):
+1.2-1.5x faster than bf16 F.linear at M = 1..64, and within 10% at prefill sizes (M = 2048), so one
+packed copy replaces the plain weight for every M and serving keeps no second copy. A hand-written
+AVX-512 BF16 GEMV (`_mm512_dpbf16_ps` over the row-major weight) was measured too: ~10% faster than
+this at M = 1 but slower from M = 4 (no AMX), and it needs the plain weight beside the packed one,
+so it was not kept.
 
 Falls back to `F.linear` (`prepacked_available()` false) where oneDNN has no bf16 support on this
 CPU, or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.

@@ -252,7 +252,11 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         h = self.input_layernorm(x)
-        x = x + (self.mamba(h) if hasattr(self, "mamba") else self.self_attn(h, cos, sin, attn))
+        if hasattr(self, "mamba"):  # a backend that carries recurrent state (HybridCache) runs the mixer
+            mix = getattr(attn, "mix", None)
+            x = x + (self.mamba(h) if mix is None else mix(self.mamba, h))
+        else:
+            x = x + self.self_attn(h, cos, sin, attn)
         return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 

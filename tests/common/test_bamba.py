@@ -17,6 +17,7 @@ import transformers
 
 from baton.common.checkpoint import load_checkpoint, load_state_dict
 from baton.common.config import ConfigError, ModelConfig
+from baton.common.hybrid_cache import HybridCache, cached_greedy_generate
 from baton.common.model import build_model, greedy_generate
 from baton.common.ssm import Mamba2Mixer
 
@@ -94,6 +95,8 @@ def test_greedy_matches_hf_generate(converted):
     )[:, 7:]
     ours = greedy_generate(model, prompt, 20)
     assert torch.equal(ours, ref)
+    # Baton carrying K/V and recurrent state, the prompt prefilled in pieces of 3 tokens.
+    assert torch.equal(cached_greedy_generate(model, prompt, 20, prefill_chunk=3), ref)
     assert len(set(ours[0].tolist())) > 3, "degenerate generation; the comparison would prove little"
 
 
@@ -112,6 +115,20 @@ def test_export_round_trip(converted):
     tokens = torch.randint(0, 128, (2, 13))
     with torch.no_grad():
         torch.testing.assert_close(back(tokens, use_cache=False).logits, hf(tokens, use_cache=False).logits)
+
+
+def test_cached_steps_equal_the_full_forward(converted):
+    """Logits from the cache (prefill 5 + 6, then single tokens) equal one full forward."""
+    _, tmp = converted
+    model = load_checkpoint(tmp / "baton").model.eval()
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(3))
+    cache = HybridCache()
+    with torch.no_grad():
+        full = model(tokens)
+        pieces = [cache.forward(model, tokens[:, :5]), cache.forward(model, tokens[:, 5:11])]
+        pieces += [cache.forward(model, tokens[:, t : t + 1]) for t in range(11, 17)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=0)
+    assert sorted(cache.kv) == [1, 3] and sorted(cache.recurrent) == [0, 2]
 
 
 def _cfg(**overrides) -> ModelConfig:

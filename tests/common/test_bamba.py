@@ -17,6 +17,7 @@ import transformers
 
 from baton.common.checkpoint import load_checkpoint, load_state_dict
 from baton.common.config import ConfigError, ModelConfig
+from baton.common.hf import export_hf
 from baton.common.hybrid_cache import HybridCache, cached_greedy_generate
 from baton.common.model import build_model, greedy_generate
 from baton.common.ssm import Mamba2Mixer
@@ -87,23 +88,24 @@ def test_greedy_matches_hf_generate(converted):
     prompt = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(2))
     ref = hf.generate(
         prompt,
-        max_new_tokens=20,
-        min_new_tokens=20,
+        max_new_tokens=12,
+        min_new_tokens=12,
         do_sample=False,
         attention_mask=torch.ones_like(prompt),
         pad_token_id=0,
     )[:, 7:]
-    ours = greedy_generate(model, prompt, 20)
+    ours = greedy_generate(model, prompt, 12)
     assert torch.equal(ours, ref)
     # Baton carrying K/V and recurrent state, the prompt prefilled in pieces of 3 tokens.
-    assert torch.equal(cached_greedy_generate(model, prompt, 20, prefill_chunk=3), ref)
+    assert torch.equal(cached_greedy_generate(model, prompt, 12, prefill_chunk=3), ref)
     assert len(set(ours[0].tolist())) > 3, "degenerate generation; the comparison would prove little"
 
 
 def test_export_round_trip(converted):
-    """--to-hf of the import: the same tensors, bit for bit, and transformers reads the same model."""
+    """Export of the import (what --to-hf runs): the same tensors, bit for bit, and transformers
+    reads the same model."""
     hf, tmp = converted
-    baton("convert", "--to-hf", str(tmp / "baton"), str(tmp / "hf2"))
+    export_hf(tmp / "baton", tmp / "hf2")
     original, again = load_state_dict(tmp / "hf"), load_state_dict(tmp / "hf2")
     assert original.keys() == again.keys()
     assert all(torch.equal(original[k], again[k]) for k in original)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import re
 import subprocess
@@ -178,6 +179,8 @@ def main() -> None:
         "repeats": args.repeats,
         "concurrency": args.concurrency,
         "offline_tok_per_s": sum(map(len, ref_ids)) / offline_s,
+        # uvicorn's HTTP parser: httptools (C) where installed, else h11 (pure Python, slower per event)
+        "http_parser": "httptools" if importlib.util.find_spec("httptools") else "h11",
         "runs": {},
     }
     run_engine, stop_engine = engine_runner(ckpt, params)
@@ -216,7 +219,8 @@ def main() -> None:
     results["table"] = table(results)
     print(
         f"\n{args.requests} requests, prompts 16-128 tokens, {args.max_tokens} output tokens each; "
-        f"offline LLM.generate: {results['offline_tok_per_s']:.0f} tok/s\n{results['table']}"
+        f"offline LLM.generate: {results['offline_tok_per_s']:.0f} tok/s; HTTP parser {results['http_parser']}\n"
+        f"{results['table']}"
     )
     for c in args.concurrency:
         run = results["runs"][str(c)]

@@ -84,3 +84,19 @@ def test_dispatcher_gradients_match_the_recurrence():
     want = torch.autograd.grad((want_y.square().sum() + want_s.sum()), leaves)
     for g, w in zip(grads, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatcher_routes_to_triton_only_without_autograd(monkeypatch):
+    """The CUDA branch, forced on CPU tensors: Triton for inference, torch when gradients are needed."""
+    from baton.kernels import ssd_scan as mod
+
+    ran = []
+    monkeypatch.setattr(mod, "use_triton", lambda *tensors: True)
+    monkeypatch.setattr(mod, "ssd_scan_triton", lambda *a: ran.append("triton") or ssd_scan_triton(*a))
+    x, dt, A, B, C, s0 = inputs(length=12)
+    want = ref.ssd_scan_ref(x, dt, A, B, C, s0)
+    for got, expected in zip(mod.ssd_scan(x, dt, A, B, C, 8, s0), want):
+        torch.testing.assert_close(got, expected, **TOL)
+    assert ran == ["triton"]
+    y, _ = mod.ssd_scan(x.requires_grad_(), dt, A, B, C, 8, s0)
+    assert ran == ["triton"] and y.requires_grad

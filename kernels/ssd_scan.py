@@ -157,7 +157,8 @@ def ssd_scan_triton(x, dt, A, B, C, initial_state=None):
 def ssd_scan_torch(x, dt, A, B, C, chunk_size, initial_state=None):
     """The plain-PyTorch chunked scan (differentiable; the model's path off CUDA and in training)."""
     b, length, heads, p = x.shape
-    L, pad = chunk_size, (-length) % chunk_size
+    L = max(1, min(chunk_size, length))  # a decode step is one chunk of one token, not a padded chunk
+    pad = (-length) % L
     rep = heads // B.shape[2]
 
     def chunks(t: torch.Tensor) -> torch.Tensor:  # [b, l, ...] -> [b, nc, L, ...], zero-padded, fp32

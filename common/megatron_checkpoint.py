@@ -49,6 +49,9 @@ def _dist_checkpointing() -> Any:
         raise UserError(
             f'Megatron checkpoints need megatron-core (pip install -e ".[megatron]"); import failed: {e}'
         ) from e
+    from baton.common import megatron_compat
+
+    megatron_compat.activate()  # without CUDA: the torch_dist writer's synchronize and cuda flags
     return dist_checkpointing
 
 
@@ -66,23 +69,6 @@ def _one_rank_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _cpu_save() -> Iterator[None]:
-    """megatron-core 0.16.1's torch_dist writer calls torch.cuda.synchronize() after copying the
-    tensors to CPU and puts its failure flag on torch.cuda.current_device(), even with no GPU; on a
-    CPU-only machine, for the save only, the first is a no-op and the second names the CPU."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.synchronize, torch.cuda.current_device
-    torch.cuda.synchronize = lambda device=None: None
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize, torch.cuda.current_device = saved
 
 
 def save_megatron(
@@ -110,7 +96,7 @@ def save_megatron(
             sharded[f"{key}.{i}"] = ShardedObject(key, None, (layers,), (i,), replica_id=0)
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
-        with _one_rank_group(), _cpu_save():
+        with _one_rank_group():
             dc.save(sharded, str(tmp))
         (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
         for name in TOKENIZER_FILES:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 def rank_main(rank: int, tp: int, port: int, out: str) -> None:
     import torch.distributed as dist
-    from baton.train.backends import megatron_compat
+    from baton.common import megatron_compat
 
     megatron_compat.activate()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)

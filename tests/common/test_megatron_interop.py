@@ -57,7 +57,7 @@ def megatron():
     """One-rank gloo group and megatron-core's model-parallel state, torn down after the module."""
     pytest.importorskip("megatron.core")
     import torch.distributed as dist
-    from baton.train.backends import megatron_compat
+    from baton.common import megatron_compat
 
     megatron_compat.activate()
     from megatron.core import parallel_state

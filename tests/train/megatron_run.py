@@ -156,7 +156,7 @@ def parity() -> dict:
     from megatron.core import parallel_state as ps
 
     from baton.common.checkpoint import load_checkpoint, load_state_dict, save_model
-    from baton.train.backends import megatron_compat
+    from baton.common import megatron_compat
     from baton.train.backends.megatron import build_chunks, load_baton_weights, transformer_config
 
     megatron_compat.activate()

@@ -184,7 +184,7 @@ def check_recipe(need, cfg: TrainConfig) -> None:
         import megatron.core
     except ImportError:
         need(False, "backend megatron needs megatron-core: pip install -e '.[megatron]'")
-    from baton.train.backends.megatron_compat import PINNED
+    from baton.common.megatron_compat import PINNED
 
     need(
         torch.cuda.is_available() or megatron.core.__version__ == PINNED,
@@ -211,7 +211,7 @@ def check_recipe(need, cfg: TrainConfig) -> None:
 
 class MegatronBackend:
     def __init__(self, cfg: TrainConfig, model: CausalLM, attn: AttentionBackend, dist: Dist):
-        from baton.train.backends import megatron_compat
+        from baton.common import megatron_compat
 
         megatron_compat.activate()
         from megatron.core import parallel_state as ps
@@ -299,7 +299,7 @@ class MegatronBackend:
         return self.dist.all_reduce_sum(total).item()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        from baton.train.backends import megatron_compat
+        from baton.common import megatron_compat
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         for c in self.chunks:

@@ -1,5 +1,6 @@
 """megatron-core 0.16.1 on a machine without CUDA: the few places it assumes a GPU, made CPU-safe.
 
+Used by the megatron training backend and by `baton convert`'s Megatron checkpoints alike.
 megatron-core is written for GPUs: it asks torch.cuda for the current device, synchronizes
 streams, keeps CUDA RNG states, allocates scratch tensors with device="cuda" and checks
 Tensor.type() strings such as "torch.cuda.FloatTensor". None of that is needed for the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -235,6 +236,15 @@ def test_response_format_constrains_the_output(server):
             assert isinstance(json.loads(r.choices[0].text), dict)
             finished += 1
     assert finished >= 3
+    r = client.completions.create(  # vLLM's structured_outputs extra: a regex
+        model="tiny",
+        prompt="x",
+        temperature=1.0,
+        seed=1,
+        max_tokens=16,
+        extra_body={"structured_outputs": {"regex": "[0-9]{3}-(yes|no)"}},
+    )
+    assert re.fullmatch("[0-9]{3}-(yes|no)", r.choices[0].text) and r.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar library rejects
         client.chat.completions.create(
             model="tiny",

@@ -120,7 +120,8 @@ def test_step0_loss_equals_transformers(family, corpus, tmp_path):
 
 # backend mode -> (family, overrides): each sharded loader on a family whose quirks it must place
 # (FSDP2: Qwen2's biases; TP: the tied, vocab-parallel embedding/head; ZeRO-3 and expert
-# parallelism: Mixtral's experts; PP: a stage holding only some layers).
+# parallelism: Mixtral's experts; PP: a stage holding only some layers; megatron: Qwen2's biases in
+# its per-group fused QKV).
 # zero3-bf16 takes a near-zero step, so its saved float32 masters must still be the checkpoint's.
 TINY_LR = ["optim.lr=1e-9", "optim.min_lr=1e-10"]
 OFFLOAD = ["deepspeed.offload_param=cpu", "deepspeed.offload_optimizer=cpu"]  # zero.Init builds on the host
@@ -134,6 +135,8 @@ MODES = {
     "zero3-offload": ("qwen2", ["backend=deepspeed", "deepspeed.stage=3", *OFFLOAD]),
     "zero3-bf16": ("llama", ["backend=deepspeed", "deepspeed.stage=3", "precision=bf16", *TINY_LR]),
     "ddp": ("llama", []),
+    # megatron-core's GPTModel, its fused QKV filled per query group from the file (megatron_layout)
+    "megatron-tp2": ("qwen2", ["backend=megatron", "megatron.tp=2"]),
 }
 
 

@@ -173,7 +173,6 @@ def check_recipe(need, cfg: TrainConfig) -> None:
     need(not cfg.compile, "compile: true is not supported by backend megatron")
     need(cfg.attention == "sdpa", "backend megatron uses megatron's attention core: leave attention at sdpa")
     need(cfg.precision in ("fp32", "bf16"), f"backend megatron runs fp32 or bf16, got precision {cfg.precision!r}")
-    need(not cfg.init_from, "init_from is not supported by backend megatron yet")
     need(not m.sequence_parallel or m.tp > 1, "megatron.sequence_parallel needs megatron.tp > 1")
     need(
         not m.sequence_parallel or cfg.data.seq_len % m.tp == 0,

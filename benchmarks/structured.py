@@ -8,7 +8,8 @@
      (mask fill + apply + accept), so the grammar's share of a step is visible without the forward
   3. compiling: a schema's first compile against the tokenizer, and a cached lookup
 
-Usage: python benchmarks/structured.py [--smoke] [--out DIR]   (writes DIR/structured.{json,png};
+Usage: python benchmarks/structured.py [--smoke] [--out DIR] [--vocabs 2048 8192] [--repeats 3]
+(writes DIR/structured.{json,png};
 DIR defaults to benchmarks/results). --smoke: a tiny random model, one short round (that it runs).
 """
 
@@ -191,18 +192,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, one short round")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--vocabs", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     from baton.serve.speculative import SpeculativeConfig
 
-    vocabs = (320,) if args.smoke else (2048, 8192)
+    vocabs = (320,) if args.smoke else args.vocabs
     batches = (1, 4) if args.smoke else (1, 8, 32)
-    repeats = 1 if args.smoke else 3
+    repeats = 1 if args.smoke else args.repeats
     results = dict(end_to_end={}, sampler={}, compile=[])
     with tempfile.TemporaryDirectory() as tmp:
         for vocab in vocabs:
             ckpt = make_checkpoint(Path(tmp), vocab, args.smoke)
-            rows = [end_to_end(ckpt, b, repeats) for b in batches]
-            rows.append(end_to_end(ckpt, batches[-1], repeats, SpeculativeConfig("ngram", 4)))
+            rows = []
+            for b, spec in [(b, None) for b in batches] + [(batches[-1], SpeculativeConfig("ngram", 4))]:
+                rows.append(end_to_end(ckpt, b, repeats, spec))
+                print(json.dumps(dict(vocab=vocab, **rows[-1])), flush=True)
             results["end_to_end"][vocab] = rows
             results["sampler"][vocab] = [sampler_only(ckpt, b, 8 if args.smoke else 64, repeats) for b in batches]
             results["compile"].append(compile_cost(ckpt))

@@ -3,7 +3,8 @@
   1. end to end: a batch of JSON-schema requests through the engine, then the same prompts
      unconstrained, each with max_tokens (and ignore_eos) set to the token count its constrained
      run produced, so both runs generate the same tokens in the same batches. Overhead per token =
-     (constrained - unconstrained seconds) / tokens; interleaved repeats, best of each.
+     (constrained - unconstrained seconds) / tokens, in wall and process-CPU time; interleaved
+     repeats, best of each.
   2. the sampler alone: sample() over [batch, vocab] logits with and without a matcher per row
      (mask fill + apply + accept), so the grammar's share of a step is visible without the forward
   3. compiling: a schema's first compile against the tokenizer, and a cached lookup
@@ -62,16 +63,17 @@ def make_checkpoint(out: Path, vocab: int, smoke: bool) -> Path:
     return save_model(out / f"v{vocab}", model, tokenizer=tok)
 
 
-def run(engine: LLMEngine, reqs: list[tuple[str, str, SamplingParams]]) -> tuple[dict[str, int], float]:
-    """Generated tokens per request, and seconds for the whole batch (all admitted at once)."""
+def run(engine: LLMEngine, reqs: list[tuple[str, str, SamplingParams]]) -> tuple[dict[str, int], float, float]:
+    """Generated tokens per request, and wall and process-CPU seconds for the whole batch (all
+    admitted at once). CPU seconds are the steadier number on a loaded machine."""
     for rid, prompt, params in reqs:
         engine.add_request(rid, prompt, params)
-    counts, t0 = {}, time.perf_counter()
+    counts, t0, c0 = {}, time.perf_counter(), time.process_time()
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 counts[out.request_id] = len(out.outputs[0].token_ids)
-    return counts, time.perf_counter() - t0
+    return counts, time.perf_counter() - t0, time.process_time() - c0
 
 
 def end_to_end(ckpt: Path, batch: int, repeats: int, speculative=None) -> dict:
@@ -82,19 +84,19 @@ def end_to_end(ckpt: Path, batch: int, repeats: int, speculative=None) -> dict:
         (f"c{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=256, structured=so))
         for i, p in enumerate(prompts)
     ]
-    counts, _ = run(engine, constrained)  # warm-up; the seeds make every repeat generate the same tokens
+    counts = run(engine, constrained)[0]  # warm-up; the seeds make every repeat generate the same tokens
     free = [
         (f"u{i}", p, SamplingParams(temperature=1.0, seed=i, max_tokens=counts[f"c{i}"], ignore_eos=True))
         for i, p in enumerate(prompts)
     ]
     tc, tu = [], []
     for _ in range(repeats):  # interleaved, so machine noise hits both alike
-        tc.append(run(engine, constrained)[1])
-        got, t = run(engine, free)
+        tc.append(run(engine, constrained)[1:])
+        got, *t = run(engine, free)
         tu.append(t)
         assert got == {f"u{k[1:]}": v for k, v in counts.items()}
     tokens = sum(counts.values())
-    c, u = min(tc), min(tu)
+    (c, c_cpu), (u, u_cpu) = [tuple(min(x) for x in zip(*t)) for t in (tc, tu)]
     return dict(
         batch=batch,
         speculative=speculative is not None,
@@ -103,6 +105,9 @@ def end_to_end(ckpt: Path, batch: int, repeats: int, speculative=None) -> dict:
         unconstrained_ms_per_token=u / tokens * 1e3,
         overhead_us_per_token=(c - u) / tokens * 1e6,
         overhead_pct=100 * (c - u) / u,
+        cpu_constrained_ms_per_token=c_cpu / tokens * 1e3,
+        cpu_unconstrained_ms_per_token=u_cpu / tokens * 1e3,
+        cpu_overhead_us_per_token=(c_cpu - u_cpu) / tokens * 1e6,
     )
 
 
@@ -121,14 +126,14 @@ def sampler_only(ckpt: Path, batch: int, steps: int, repeats: int) -> dict:
         for s in seqs:
             s.make_generator()
             s.grammar = cache.matcher(so) if constrained else None
-        t0 = time.perf_counter()
+        t0 = time.process_time()  # CPU seconds: steadier on a loaded machine
         for step in range(steps):
             for s, r in zip(seqs, sample(logits[step], seqs)):
                 if s.grammar is not None:
                     s.grammar.accept(r.token_id)
                     if s.grammar.terminated:
                         s.grammar = cache.matcher(so)
-        return time.perf_counter() - t0
+        return time.process_time() - t0
 
     c = min(go(True) for _ in range(repeats))
     u = min(go(False) for _ in range(repeats))
@@ -172,17 +177,17 @@ def plot(results: dict, path: Path) -> None:
             if sel:
                 a.plot(
                     [r["batch"] for r in sel],
-                    [r["overhead_us_per_token"] for r in sel],
+                    [r["cpu_overhead_us_per_token"] for r in sel],
                     marker="o" if not spec else "s",
                     label=f"vocab {vocab}{', n-gram speculation' if spec else ''}",
                 )
-    a.set(xscale="log", xlabel="batch", ylabel="us per token", title="Engine: constrained - unconstrained")
+    a.set(xscale="log", xlabel="batch", ylabel="us per token", title="Engine: constrained - unconstrained (CPU time)")
     a.legend()
     for vocab, rows in results["sampler"].items():
         b.plot(
             [r["batch"] for r in rows], [r["overhead_us_per_token"] for r in rows], marker="o", label=f"vocab {vocab}"
         )
-    b.set(xscale="log", xlabel="batch", ylabel="us per token", title="sample(): mask fill + apply + accept")
+    b.set(xscale="log", xlabel="batch", ylabel="us per token", title="sample(): mask fill + apply + accept (CPU time)")
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -219,7 +224,9 @@ def main() -> None:
             print(
                 f"{vocab:>6} {r['batch']:>5} {'ngram' if r['speculative'] else '-':>5} {r['tokens']:>7} "
                 f"{r['unconstrained_ms_per_token']:>15.3f} {r['constrained_ms_per_token']:>13.3f} "
-                f"{r['overhead_us_per_token']:>15.1f} {r['overhead_pct']:>5.1f}%"
+                f"{r['overhead_us_per_token']:>15.1f} {r['overhead_pct']:>5.1f}% "
+                f"{r['cpu_unconstrained_ms_per_token']:>13.3f} {r['cpu_constrained_ms_per_token']:>7.3f} "
+                f"{r['cpu_overhead_us_per_token']:>15.1f}"
             )
     print(f"\n{'vocab':>6} {'batch':>5} {'sample us/tok':>13} {'constrained us/tok':>18} {'overhead us/tok':>15}")
     for vocab, rows in results["sampler"].items():

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+PACK_ROWS = 2048  # a prefill chunk (the serving benchmarks run 2,048 batched tokens per step)
+
 
 def _mkldnn_bf16() -> bool:
     mk = torch.ops.mkldnn
@@ -50,13 +52,14 @@ def prepacked_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The [N, K] bf16 CPU weight in oneDNN's blocked layout (an opaque mkldnn tensor). The batch
-    size hint 1 is decode's; the layout measured as fast at prefill sizes too."""
+    """The [N, K] bf16 CPU weight in oneDNN's blocked layout (an opaque mkldnn tensor). oneDNN picks
+    the layout for a batch size: the one for PACK_ROWS rows measured within 4% of the M = 1 layout
+    at decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection)."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         raise ValueError(
             f"pack_weight: a 2-D bfloat16 CPU weight, got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
         )
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ that reorder costs a third of the call or more (the weight is read, written and 
 out no faster than fp32's, which moves twice the bytes. `torch.ops.mkldnn._reorder_linear_weight`
 (what inductor's freezing pass uses) does the reorder once; `_linear_pointwise` then multiplies
 with it. Measured over the 110M serving model's linears (docs/benchmarks.md, "Serving speed"):
-1.2-1.5x faster than bf16 F.linear at M = 1..64, and within 10% at prefill sizes (M = 2048), so one
+1.26-1.38x faster than bf16 F.linear at M = 1..64 and 1.11x at a prefill chunk (M = 2048), so one
 packed copy replaces the plain weight for every M and serving keeps no second copy. A hand-written
 AVX-512 BF16 GEMV (`_mm512_dpbf16_ps` over the row-major weight) was measured too: ~10% faster than
 this at M = 1 but slower from M = 4 (no AMX), and it needs the plain weight beside the packed one,

@@ -79,7 +79,11 @@ def _ssd_scan_kernel(
         l_ok = rows < seqlen
         # Padded rows have dt = 0: no decay and no input, so the chunk's last cumsum is exact.
         dt = tl.load(DT + bi * stride_db + rows * stride_dl + hi * stride_dh, mask=l_ok, other=0.0).to(tl.float32)
-        cs = tl.cumsum(dt * a, 0)  # log decay from the chunk start to each row (inclusive)
+        step = dt * a
+        cs = tl.cumsum(step, 0)  # log decay from the chunk start to each row (inclusive)
+        # seg[l, s] = log decay over steps s+1..l, summed directly: cs_l - cs_s would lose the low
+        # bits once the cumsum is large (a fast-decaying stretch before a slow one).
+        seg = tl.cumsum(tl.where(offs_l[:, None] > offs_l[None, :], step[:, None], 0.0), 0)
         x = tl.load(
             X + bi * stride_xb + rows[:, None] * stride_xl + hi * stride_xh + offs_p[None, :],
             mask=l_ok[:, None] & p_ok[None, :],
@@ -95,7 +99,7 @@ def _ssd_scan_kernel(
         b, c = b.to(tl.float32), c.to(tl.float32)
         # Within the chunk: y_l = sum_{s<=l} (C_l . B_s) exp(cs_l - cs_s) dt_s x_s.
         scores = tl.dot(c, tl.trans(b), input_precision=PRECISION)
-        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], 0.0))
+        decay = tl.exp(tl.where(causal, seg, 0.0))
         scores = tl.where(causal, scores * decay, 0.0) * dt[None, :]
         y = tl.dot(scores, x, input_precision=PRECISION)
         # From the state at the chunk start, decayed to each row.
@@ -106,7 +110,8 @@ def _ssd_scan_kernel(
             mask=l_ok[:, None] & p_ok[None, :],
         )
         last = tl.sum(tl.where(offs_l == BLOCK_L - 1, cs, 0.0), 0)
-        w = dt * tl.exp(last - cs)
+        to_end = tl.sum(tl.where(offs_l[:, None] == BLOCK_L - 1, seg, 0.0), 0)  # seg's last row
+        w = dt * tl.exp(to_end)
         state = state * tl.exp(last) + tl.dot(tl.trans(x), b * w[:, None], input_precision=PRECISION)
     tl.store(S + state_off, state, mask=state_mask)
 
@@ -154,6 +159,15 @@ def ssd_scan_triton(x, dt, A, B, C, initial_state=None):
     return y, final
 
 
+def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """[b, nc, L, h] -> [b, nc, l, s, h]: the sum of a over steps s+1..l, -inf where s > l. Summed
+    directly rather than as cs_l - cs_s, which loses the low bits once the cumsum is large."""
+    L = a.shape[2]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)[..., None]
+    summed = a[:, :, :, None].expand(-1, -1, -1, L, -1).masked_fill(~strict, 0.0).cumsum(dim=2)
+    return summed.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=a.device).tril()[..., None], float("-inf"))
+
+
 def ssd_scan_torch(x, dt, A, B, C, chunk_size, initial_state=None):
     """The plain-PyTorch chunked scan (differentiable; the model's path off CUDA and in training)."""
     b, length, heads, p = x.shape
@@ -167,13 +181,13 @@ def ssd_scan_torch(x, dt, A, B, C, chunk_size, initial_state=None):
 
     x, dt = chunks(x), chunks(dt)
     B, C = (chunks(t.repeat_interleave(rep, dim=2)) for t in (B, C))
-    cs = torch.cumsum(dt * A.float(), dim=2)  # [b, nc, L, h]: log decay from the chunk start
-    causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[..., None]
-    decay = torch.exp((cs[:, :, :, None] - cs[:, :, None]).masked_fill(~causal, float("-inf")))
-    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * decay
+    a = dt * A.float()  # [b, nc, L, h]: log decay of each step
+    cs = torch.cumsum(a, dim=2)  # log decay from the chunk start
+    seg = _segment_sum(a)
+    scores = torch.einsum("bclhn,bcshn->bclsh", C, B) * torch.exp(seg)
     y = torch.einsum("bclsh,bcshp->bclhp", scores, x * dt[..., None])
     # Each chunk's contribution to the state at its end, then the states chained across chunks.
-    to_end = torch.exp(cs[:, :, -1:] - cs) * dt
+    to_end = torch.exp(seg[:, :, -1]) * dt  # decay from each step to the chunk's end
     contrib = torch.einsum("bclhn,bclhp->bchpn", B * to_end[..., None], x)
     state = x.new_zeros(b, heads, p, B.shape[-1]) if initial_state is None else initial_state.float()
     starts = []

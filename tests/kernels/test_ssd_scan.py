@@ -100,3 +100,18 @@ def test_dispatcher_routes_to_triton_only_without_autograd(monkeypatch):
     assert ran == ["triton"]
     y, _ = mod.ssd_scan(x.requires_grad_(), dt, A, B, C, 8, s0)
     assert ran == ["triton"] and y.requires_grad
+
+
+@pytest.mark.parametrize("scan", ["triton", "torch"])
+def test_exact_when_a_fast_decay_precedes_a_slow_one(scan):
+    """40 steps of strong decay make the chunk's cumulative log decay about -10^4; the slow steps
+    after it still decay by e^-0.06 each. Differences of that cumsum (cs_l - cs_s) lose ~1e-3 of
+    those decays in fp32 (0.15 absolute on outputs of ~90); summing the steps directly does not."""
+    x, _, _, B, C, _ = inputs(b=1, length=64, heads=2, groups=1, p=16, with_state=False)
+    dt = torch.full((1, 64, 2), 1e-3)
+    dt[:, :40] = 4.0
+    A = torch.tensor([-60.0, -30.0])
+    want_y, want_s = ref.ssd_scan_ref(x, dt, A, B, C)
+    y, s = ssd_scan_triton(x, dt, A, B, C) if scan == "triton" else ssd_scan_torch(x, dt, A, B, C, 64)
+    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(s, want_s, atol=1e-4, rtol=1e-5)

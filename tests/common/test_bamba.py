@@ -17,7 +17,7 @@ import transformers
 
 from baton.common.checkpoint import load_checkpoint, load_state_dict
 from baton.common.config import ConfigError, ModelConfig
-from baton.common.hf import export_hf
+from baton.common.hf import export_hf, import_hf
 from baton.common.hybrid_cache import HybridCache, cached_greedy_generate
 from baton.common.model import build_model, greedy_generate
 from baton.common.ssm import Mamba2Mixer
@@ -79,6 +79,36 @@ def test_logits_match_hf(converted):
         out = model(tokens)
     assert ref.std() > 0.1, "logits are flat; the comparison would prove nothing"
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
+
+
+def test_logits_match_hf_with_the_other_options(tmp_path):
+    """Biases on the mixer projections and attention, no conv bias, one B/C group, a clamped dt,
+    tied embeddings, attention first: the options the main config leaves at their defaults."""
+    kw = {
+        **HF_KW,
+        "attn_layer_indices": [0, 2],
+        "mamba_n_groups": 1,
+        "mamba_proj_bias": True,
+        "mamba_conv_bias": False,
+        "attention_bias": True,
+        "time_step_limit": (0.05, 0.8),
+        "tie_word_embeddings": True,
+        "num_hidden_layers": 3,
+    }
+    torch.manual_seed(1)
+    hf = transformers.BambaForCausalLM(transformers.BambaConfig(**kw)).float().eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    hf.save_pretrained(tmp_path / "hf")
+    model = load_checkpoint(import_hf(tmp_path / "hf", tmp_path / "b")).model.eval()
+    assert model.config.time_step_limit == [0.05, 0.8] and model.config.mamba_proj_bias
+    tokens = torch.randint(0, 128, (2, 21), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = hf(tokens, use_cache=False).logits
+        torch.testing.assert_close(model(tokens), ref, atol=1e-4, rtol=0)
+    assert ref.std() > 0.1
 
 
 def test_greedy_matches_hf_generate(converted):

@@ -2,7 +2,8 @@
 
 Choice i of prompt p is index p * n + i, as OpenAI numbers a batched completions call. Logprobs
 are the raw model's (before temperature and penalties), as the engine reports them; the chosen
-token is always among a position's top_logprobs.
+token is always among a position's top_logprobs. JSON has no -inf: a token a grammar masks out
+(structured outputs) is sent with vLLM's -9999.0.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from baton.common.tokenizer import Tokenizer
 from baton.serve.outputs import CompletionOutput, RequestOutput
 
 TokenLogprobs = dict[int, float]
+MASKED_LOGPROB = -9999.0  # vLLM's stand-in for -inf
 
 
 def _piece(tok: Tokenizer | None, t: int) -> str:
@@ -59,7 +61,9 @@ def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[TokenLogprobs], k: i
 
 
 def new_logprobs(c: CompletionOutput, ids: list[int]) -> list[TokenLogprobs]:
-    return [] if c.logprobs is None else c.logprobs[len(c.logprobs) - len(ids) :]
+    """The logprobs of `ids`, the last tokens of `c`, with -inf (masked by a grammar) made finite."""
+    lps = [] if c.logprobs is None else c.logprobs[len(c.logprobs) - len(ids) :]
+    return [{t: max(v, MASKED_LOGPROB) for t, v in lp.items()} for lp in lps]
 
 
 def usage(outs: list[RequestOutput]) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import re
 import threading
 import time
@@ -242,9 +243,12 @@ def test_response_format_constrains_the_output(server):
         temperature=1.0,
         seed=1,
         max_tokens=16,
+        logprobs=5,  # more than the grammar allows after the "-": the masked rest is -inf, sent as -9999.0
         extra_body={"structured_outputs": {"regex": "[0-9]{3}-(yes|no)"}},
     )
     assert re.fullmatch("[0-9]{3}-(yes|no)", r.choices[0].text) and r.choices[0].finish_reason == "stop"
+    tops = [v for top in r.choices[0].logprobs.top_logprobs for v in top.values()]
+    assert -9999.0 in tops and all(math.isfinite(v) and v >= -9999.0 for v in tops)
     with pytest.raises(openai.BadRequestError) as e:  # a schema the grammar library rejects
         client.chat.completions.create(
             model="tiny",

@@ -159,7 +159,16 @@ def run_grpc(target: str, prompts, concurrency: int, max_tokens: int) -> dict:
     return asyncio.run(main())
 
 
-def plot(results: dict, path: Path) -> None:
+PATHS = (("engine", "engine, no server", "C0"), ("grpc", "baton serve (gRPC)", "C1"))
+
+
+def plot(
+    results: dict,
+    path: Path,
+    paths=PATHS,
+    title: str = "gRPC server vs engine, same closed-loop load (CPU, 2 cores)",
+) -> None:
+    """Throughput, TTFT and ITL against concurrency, one line per (key, label, colour) of `paths`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,7 +176,7 @@ def plot(results: dict, path: Path) -> None:
 
     levels = results["concurrency"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for key, label, color in (("engine", "engine, no server", "C0"), ("grpc", "baton serve (gRPC)", "C1")):
+    for key, label, color in paths:
         rows = [results["runs"][str(c)][key] for c in levels]
         axes[0].plot(levels, [r["tok_per_s"] for r in rows], "o-", color=color, label=label)
         for ax, metric in ((axes[1], "ttft"), (axes[2], "itl")):
@@ -180,7 +189,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set(title=title, xlabel="concurrent clients", ylabel=unit, xscale="log")
         ax.set_xticks(levels, [str(c) for c in levels])
         ax.legend(fontsize=7)
-    fig.suptitle("gRPC server vs engine, same closed-loop load (CPU, 2 cores)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

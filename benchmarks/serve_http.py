@@ -35,10 +35,10 @@ from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
 
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the script dir is on sys.path
-from serve_grpc import KV_MB, MAX_SEQS, closed_loop, engine_config, engine_runner, in_thread, run_grpc, workload
+from serve_grpc import KV_MB, MAX_SEQS, closed_loop, engine_config, engine_runner, in_thread, plot, run_grpc, workload
 
 SMOKE_MODEL = dict(MODEL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-CORPUS = Path("/work/shared/data/tinyshakespeare.txt")
+CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"  # ../shared beside the repo
 PATHS = (
     ("engine", "engine, no server", "C0"),
     ("grpc", "baton serve, gRPC", "C1"),
@@ -103,32 +103,6 @@ def run_http(port: int, prompts, concurrency: int, max_tokens: int) -> dict:
     r["tokens"] = r["usage_tokens"]
     r["tok_per_s"] = r["tokens"] / r["wall_s"]
     return r
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    levels = results["concurrency"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for key, label, color in PATHS:
-        rows = [results["runs"][str(c)][key] for c in levels]
-        axes[0].plot(levels, [r["tok_per_s"] for r in rows], "o-", color=color, label=label)
-        for ax, metric in ((axes[1], "ttft"), (axes[2], "itl")):
-            ax.plot(levels, [r[f"{metric}_p50_ms"] for r in rows], "o-", color=color, label=f"{label} p50")
-            ax.plot(levels, [r[f"{metric}_p99_ms"] for r in rows], "x--", color=color, label=f"{label} p99")
-    axes[0].axhline(results["offline_tok_per_s"], color="gray", ls=":", label="LLM.generate, all at once")
-    for ax, title, unit in zip(
-        axes, ("throughput", "time to first token", "inter-token latency"), ("output tokens/s", "ms", "ms")
-    ):
-        ax.set(title=title, xlabel="concurrent clients", ylabel=unit, xscale="log")
-        ax.set_xticks(levels, [str(c) for c in levels])
-        ax.legend(fontsize=7)
-    fig.suptitle("OpenAI HTTP front vs gRPC front vs engine, same closed-loop load (CPU, 2 cores)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def table(results: dict) -> str:
@@ -231,7 +205,12 @@ def main() -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "serve_http.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, args.out / "serve_http.png")
+    plot(
+        results,
+        args.out / "serve_http.png",
+        PATHS,
+        "OpenAI HTTP front vs gRPC front vs engine, same closed-loop load (CPU, 2 cores)",
+    )
     print(f"wrote {args.out / 'serve_http.json'} and {args.out / 'serve_http.png'}")
 
 

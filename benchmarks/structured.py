@@ -37,7 +37,9 @@ from baton.serve.structured import StructuredOutputs
 
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the engine benchmark's model (script dir is on sys.path)
 
-SHAKESPEARE = Path("/work/shared/data/tinyshakespeare.txt")
+SHAKESPEARE = (
+    Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+)  # ../shared beside the repo
 SCHEMA = {
     "type": "object",
     "properties": {

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from baton.common.config import DTYPES, ConfigError, ModelConfig
+from baton.common.config import BAMBA_FIELDS, DTYPES, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +27,6 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "bamba": "BambaForCausalLM",
 }
-# Bamba's own keys (HF BambaConfig), read and written under the same names.
-_BAMBA_KEYS = (
-    "attn_layer_indices",
-    "mamba_n_heads",
-    "mamba_d_head",
-    "mamba_n_groups",
-    "mamba_d_state",
-    "mamba_d_conv",
-    "mamba_expand",
-    "mamba_chunk_size",
-    "mamba_conv_bias",
-    "mamba_proj_bias",
-    "time_step_limit",
-)
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -115,7 +101,7 @@ def _bamba_from_hf(d: dict[str, Any]) -> dict[str, Any]:
     rope = d.get("rope_parameters") or {}
     if rope.get("partial_rotary_factor", 0.5) != 0.5:
         raise ConfigError("bamba rotates half of each head (partial_rotary_factor 0.5); got a different factor")
-    out = {k: d[k] for k in _BAMBA_KEYS if k in d and d[k] is not None}
+    out = {k: d[k] for k in BAMBA_FIELDS if k in d and d[k] is not None}
     if out.get("mamba_d_head") == "auto":
         out.pop("mamba_d_head")
     if "time_step_limit" in out:  # transformers 5 writes inf as {"__float__": "Infinity"}
@@ -153,7 +139,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     elif cfg.model_type in ("mistral", "mixtral"):
         d["sliding_window"] = cfg.sliding_window
     if cfg.model_type == "bamba":
-        d.update({k: getattr(cfg, k) for k in _BAMBA_KEYS}, attention_bias=cfg.attention_bias, mlp_bias=False)
+        d.update({k: getattr(cfg, k) for k in BAMBA_FIELDS}, attention_bias=cfg.attention_bias, mlp_bias=False)
         d["attn_layer_indices"] = d["attn_layer_indices"] or []
         d["rope_parameters"] = {**rope_parameters, "partial_rotary_factor": 0.5}
     if cfg.model_type == "mixtral":

@@ -502,7 +502,9 @@ class DistributedRunner:
     def _lost(self, reason: str):
         if self.failure is None:
             if self.procs and all(p.is_alive() for p in self.procs):  # one may be dying still: say which
-                mp.connection.wait([p.sentinel for p in self.procs], timeout=0.5)
+                # (returns as soon as one has exited; a SIGKILLed worker's teardown took over 0.5 s on a
+                # loaded CI machine, and the failure then named only the symptom, not the dead worker)
+                mp.connection.wait([p.sentinel for p in self.procs], timeout=5.0)
             self.failure = "; ".join(filter(None, (self._dead_workers(), reason, self._worker_errors())))
             log.error("distributed serving is down: %s", self.failure)
         self._kill()

@@ -15,15 +15,25 @@ from baton.common.errors import UserError
 def _train(args: argparse.Namespace) -> int:
     from baton.train.config import load_recipe
     from baton.train.medusa import MedusaTrainConfig, train_medusa
+    from baton.train.router import RouterTrainConfig, train_router
     from baton.train.trainer import train
 
     cfg = load_recipe(args.config, args.overrides)  # fails here, before any work, on a bad recipe
     if args.allow_resume_mismatch:
-        if isinstance(cfg, MedusaTrainConfig):
-            raise UserError("--allow-resume-mismatch applies to model recipes; a Medusa recipe does not resume")
+        if isinstance(cfg, (MedusaTrainConfig, RouterTrainConfig)):
+            raise UserError(
+                "--allow-resume-mismatch applies to model recipes; a Medusa or router recipe does not resume"
+            )
         cfg.checkpoint.allow_resume_mismatch = True
     if isinstance(cfg, MedusaTrainConfig):
         print(f"Medusa heads written into {train_medusa(cfg)} (serve with: baton serve --speculative medusa)")
+        return 0
+    if isinstance(cfg, RouterTrainConfig):
+        rc = train_router(cfg).config
+        print(
+            f"Router ({rc.kind}, experts {', '.join(rc.experts)}) written into {cfg.out}: train accuracy "
+            f"{rc.train_accuracy:.3f}, held-out {rc.val_accuracy:.3f} (serve with: baton serve --coe COE.yaml)"
+        )
         return 0
     result = train(cfg)
     if os.environ.get("RANK", "0") == "0":  # under a launcher, one report
@@ -41,7 +51,9 @@ def _export(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     """Add the training subcommands (`command`, the one being run, is not needed here)."""
-    p = sub.add_parser("train", help="train a model, or Medusa heads for one, from a YAML recipe (configs/*.yaml)")
+    p = sub.add_parser(
+        "train", help="train a model, Medusa heads for one, or a CoE router, from a YAML recipe (configs/*.yaml)"
+    )
     p.add_argument("--config", required=True, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values, e.g. optim.lr=1e-3")
     p.add_argument(

@@ -137,6 +137,7 @@ class TrainConfig:
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend megatron: layout and options
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router loss coefficients
+    early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)  # LayerSkip (baton.train.early_exit)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     micro_batch_size: int = 8
@@ -532,10 +533,15 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()):
     """What `baton train` runs: a model recipe (TrainConfig), or - when the recipe has a top-level
-    `medusa:` section - Medusa heads for a frozen handoff checkpoint (MedusaTrainConfig)."""
+    `medusa:` section - Medusa heads for a frozen handoff checkpoint (MedusaTrainConfig), or - with
+    a `router:` section - a Composition-of-Experts prompt router (RouterTrainConfig)."""
     raw = _read_recipe(path)
     if "medusa" in raw:
         from baton.train.medusa import medusa_config_from_dict
 
         return medusa_config_from_dict(raw, overrides)
+    if "router" in raw:
+        from baton.train.router import router_config_from_dict
+
+        return router_config_from_dict(raw, overrides)
     return config_from_dict(raw, overrides)

@@ -80,6 +80,9 @@ class ModelConfig:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     time_step_limit: list[float] = field(default_factory=lambda: [0.0, float("inf")])
+    # LayerSkip-trained exits (baton.train.early_exit): E = the output after the first E layers
+    # through the final norm and LM head, which the server may draft or exit from.
+    early_exit_layers: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
 
     def __post_init__(self) -> None:
@@ -161,6 +164,12 @@ class ModelConfig:
         need(
             not (self.attention_bias and self.qkv_bias),
             "set attention_bias (Llama: q,k,v,o) or qkv_bias (Qwen2: q,k,v), not both",
+        )
+        e = self.early_exit_layers
+        need(
+            e is None
+            or (e == sorted(set(e)) and all(isinstance(x, int) and 1 <= x < self.num_hidden_layers for x in e)),
+            f"early_exit_layers must be sorted distinct layer counts in 1..{self.num_hidden_layers - 1}, got {e!r}",
         )
         self._validate_rope_scaling(need)
         self._validate_family(need)
@@ -307,6 +316,8 @@ class ModelConfig:
         """The fields; the Bamba-only ones only for bamba (other families' dicts stay as they were)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
+        if self.early_exit_layers is None:  # (dicts of models without exits stay as they were)
+            d.pop("early_exit_layers")
         if not self.is_hybrid:
             for name in BAMBA_FIELDS:
                 d.pop(name)

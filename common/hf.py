@@ -91,6 +91,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         pad_token_id=d.get("pad_token_id"),
         torch_dtype=dtype,
         model_type=model_type,
+        early_exit_layers=d.get("early_exit_layers"),
     )
     if model_type == "bamba":
         kwargs.update(_bamba_from_hf(d))
@@ -134,6 +135,8 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "rope_parameters": rope_parameters,
         "use_cache": True,
     }
+    if cfg.early_exit_layers is not None:  # Baton's LayerSkip exits; transformers keeps it as an attribute
+        d["early_exit_layers"] = list(cfg.early_exit_layers)
     if cfg.model_type == "llama":
         d.update(attention_bias=cfg.attention_bias, mlp_bias=False)
     elif cfg.model_type in ("mistral", "mixtral"):

@@ -22,6 +22,7 @@ from baton.common.data import DataConfig
 from baton.train.attention import check_attention
 from baton.train.deepspeed_config import check_ds_config, check_zero
 from baton.train.distributed import read_launch
+from baton.train.early_exit import EarlyExitConfig
 from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
 
 BACKENDS = ("torch", "deepspeed", "torch3d", "megatron")
@@ -221,6 +222,7 @@ class TrainConfig:
                 f"tokenizer.path {self.tokenizer.path} has no tokenizer.json",
             )
         self._validate_init_from(need)
+        self._validate_early_exit(need)
         self._validate_model(need)
         self._validate_precision(need)
         self._validate_compute(need)
@@ -393,6 +395,17 @@ class TrainConfig:
             "moe.z_loss_coef to 0",
         )
 
+    def _validate_early_exit(self, need) -> None:
+        """LayerSkip's hooks need the whole model in one module whose loss the backend computes."""
+        ee = self.early_exit
+        depth = self.model_config(vocab_size=self.model.get("vocab_size", 1024), exits=False).num_hidden_layers
+        ee.check(need, depth)
+        need(
+            not ee.enabled or self.backend == "torch",
+            f"early_exit needs backend: torch (one process or DDP), not {self.backend!r}: the exits read "
+            "every layer's output and the shared LM head, which the sharded and pipelined backends split",
+        )
+
     def _validate_parallel(self, need) -> None:
         """The layout, checked with the launcher's (or srun's) world size before any process group exists
         (the vocabulary is not known yet, and no layout check depends on it)."""
@@ -420,18 +433,20 @@ class TrainConfig:
 
         check_recipe(need, self)
 
-    def model_config(self, vocab_size: int, **token_ids: Any) -> ModelConfig:
+    def model_config(self, vocab_size: int, exits: bool = True, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer. The recipe's
         model section may pad the vocabulary, but not shrink it below the tokenizer's or give the
         special tokens other ids: the embedding would be indexed out of range, or train the wrong rows.
         With init_from it is the checkpoint's (the checks call this without token ids, before the
-        tokenizer is known; the trainer with them, and the tokenizer must fit the embedding)."""
+        tokenizer is known; the trainer with them, and the tokenizer must fit the embedding).
+        `exits`: with the early exits this run trains recorded (early_exit.exit_layers)."""
         if self.init_from is not None:
             from baton.train.pretrained import checkpoint_config, with_tokenizer
 
             section = {} if self.model == {"preset": "demo"} else self.model  # the default: no model section
             cfg = checkpoint_config(self.init_from, section)
-            return with_tokenizer(cfg, self.init_from, vocab_size, token_ids) if token_ids else cfg
+            cfg = with_tokenizer(cfg, self.init_from, vocab_size, token_ids) if token_ids else cfg
+            return self._with_exits(cfg) if exits else cfg
         model = dict(self.model)
         base = PRESETS.get(model.pop("preset", None), {})
         v = model.get("vocab_size", vocab_size)
@@ -446,7 +461,14 @@ class TrainConfig:
                     f"model.{name} {model[name]!r} disagrees with the tokenizer's {tid!r}: drop it "
                     "(the tokenizer sets it)"
                 )
-        return ModelConfig.from_dict({**base, "vocab_size": vocab_size, **token_ids, **model})
+        cfg = ModelConfig.from_dict({**base, "vocab_size": vocab_size, **token_ids, **model})
+        return self._with_exits(cfg) if exits else cfg
+
+    def _with_exits(self, cfg: ModelConfig) -> ModelConfig:
+        """The model config with the early exits this run trains (recorded in the handoff)."""
+        if not self.early_exit.exit_layers:
+            return cfg
+        return dataclasses.replace(cfg, early_exit_layers=list(self.early_exit.exit_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -464,6 +486,7 @@ _SECTIONS = {
     "logging": LoggingConfig,
     "parallel": ParallelConfig,
     "megatron": MegatronConfig,
+    "early_exit": EarlyExitConfig,
 }
 
 

@@ -227,6 +227,8 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.state.step, self.cfg)
         parts = micro_batches(self.batches.next(), self.cfg.micro_batch_size, self.accum, self.dp_rank, self.dp)
+        if (early_exit := getattr(self.backend, "early_exit", None)) is not None:
+            early_exit.step = self.state.step  # LayerSkip's curriculum and dropout warm-up
         result = self.backend.train_step(parts, lr)
         self.train_time, self.steps_timed = self.train_time + time.perf_counter() - t0, self.steps_timed + 1
         self.state.step += 1
@@ -298,6 +300,8 @@ class Trainer:
                 )
         if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
             record.update(router_metrics(self.backend.module))  # MoE: router losses since the last record
+            if (early_exit := getattr(self.backend, "early_exit", None)) is not None:
+                record.update(early_exit.metrics())  # LayerSkip: each exit's loss
             self.metrics.log(record)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{result.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}", refresh=False)

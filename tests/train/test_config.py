@@ -138,7 +138,7 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
                     vocab_size=tok.vocab_size,
                     hidden_size=32,
                     intermediate_size=64,
-                    num_hidden_layers=1,
+                    num_hidden_layers=4,  # the demo preset's depth (early-exit recipes exit inside it)
                     num_attention_heads=2,
                 )
             ),

@@ -23,6 +23,7 @@ from baton.train.backends import Layout, StepResult, autocast, lm_loss, loss_sca
 from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
+from baton.train.early_exit import apply_early_exit
 from baton.train.universal import UniversalState, read_any, write_universal
 
 SCALER_FILE = "loss_scaler.json"  # fp16: GradScaler's state, beside the universal state
@@ -37,6 +38,8 @@ class DDPBackend:
         self.device = dist.device
         self.scaler = loss_scaler(self.device, cfg)
         model.to(self.device)
+        # LayerSkip (early_exit: section): hooks on the layers, their loss in _forward_backward
+        self.early_exit = apply_early_exit(model, cfg.early_exit, cfg.max_steps, cfg.seed * 1000 + dist.rank)
         if cfg.compile:  # each layer's forward, before DDP wraps the model (its reducer stays eager)
             compile_layers(model)
         if dist.world_size > 1:
@@ -78,8 +81,12 @@ class DDPBackend:
         batch = batch.to(self.device)
         with contextlib.nullcontext() if sync else self.model.no_sync():
             with autocast(self.device, self.precision):
-                loss = lm_loss(self.model(batch[:, :-1], attn=self.attn), batch)
-            scaled = loss / accum
+                logits = self.model(batch[:, :-1], attn=self.attn)
+                if self.early_exit is None:
+                    total = loss = lm_loss(logits, batch)
+                else:  # the exits' weighted loss is trained; the final layer's is logged
+                    total, loss = self.early_exit.loss(logits, batch)
+            scaled = total / accum
             (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
         return loss.detach()
 

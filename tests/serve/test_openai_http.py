@@ -178,6 +178,47 @@ def test_logprobs_equal_hf_transformers(client, llm, hf):
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob and bytes(t.bytes) == t.token.encode()
 
 
+def _close(got: dict[str, float], want: dict[int, float]) -> bool:
+    """A top_logprobs dict (keyed by text) holds only values of the offline engine's (keyed by id)."""
+    return all(any(abs(v - w) < 1e-5 for w in want.values()) for v in got.values())
+
+
+def test_streamed_logprobs_equal_non_streamed_and_offline(client, llm):
+    """Each stream chunk carries its new tokens' logprobs: joined, they equal the non-streamed
+    response's and the offline engine's, and the usage chunk counts the tokens the chunks carried."""
+    tok = llm.engine.tokenizer
+    ref = llm.generate(PROMPTS[1], SamplingParams(logprobs=2, **GREEDY))[0].outputs[0]
+    ref_lp = [lp[t] for t, lp in zip(ref.token_ids, ref.logprobs)]
+    kw = dict(model="tiny", prompt=PROMPTS[1], logprobs=2, **GREEDY)
+    whole = client.completions.create(**kw).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    parts = [c.choices[0].logprobs for c in chunks[:-1] if c.choices[0].logprobs is not None]
+    got = {f: [x for p in parts for x in getattr(p, f)] for f in ("tokens", "token_logprobs", "top_logprobs")}
+    assert got["tokens"] == whole.tokens == [tok.decode([t]) for t in ref.token_ids]
+    assert got["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-6)
+    assert got["token_logprobs"] == pytest.approx(ref_lp, abs=1e-5)
+    assert [pytest.approx(t, abs=1e-6) for t in whole.top_logprobs] == got["top_logprobs"]
+    for top, chosen, want in zip(got["top_logprobs"], ref_lp, ref.logprobs):
+        assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(chosen, abs=1e-5) and _close(top, want)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(got["tokens"]) == len(ref_lp)
+
+    ref = llm.generate(RENDERED, SamplingParams(logprobs=2, **GREEDY))[0].outputs[0]
+    ref_lp = [lp[t] for t, lp in zip(ref.token_ids, ref.logprobs)]
+    kw = dict(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=2, **GREEDY)
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    got = [t for c in chunks[:-1] if c.choices[0].logprobs is not None for t in c.choices[0].logprobs.content]
+    assert [t.token for t in got] == [t.token for t in whole] == [tok.decode([t]) for t in ref.token_ids]
+    assert [t.logprob for t in got] == pytest.approx([t.logprob for t in whole], abs=1e-6)
+    assert [t.logprob for t in got] == pytest.approx(ref_lp, abs=1e-5)
+    for t, w, want in zip(got, whole, ref.logprobs):
+        assert [a.token for a in t.top_logprobs] == [a.token for a in w.top_logprobs]
+        assert [a.logprob for a in t.top_logprobs] == pytest.approx([a.logprob for a in w.top_logprobs], abs=1e-6)
+        assert len(t.top_logprobs) == 2 and _close({a.token: a.logprob for a in t.top_logprobs}, want)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(got) == len(ref_lp)
+
+
 def test_models_and_health(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].owned_by == "baton"

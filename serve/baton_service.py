@@ -22,9 +22,9 @@ from baton.serve.stats import EngineStats
 GenerateRequest, GenerateResponse = proto.baton("GenerateRequest"), proto.baton("GenerateResponse")
 
 
-def generate_response(out: RequestOutput, delta: bool) -> Message:
+def generate_response(out: RequestOutput, delta: bool, model: str = "") -> Message:
     """One streamed message (new text and tokens since the last one) or the whole output."""
-    msg = GenerateResponse(request_id=out.request_id, finished=out.finished)
+    msg = GenerateResponse(request_id=out.request_id, finished=out.finished, model=model)
     for c in out.outputs:
         ids = c.delta_token_ids if delta else c.token_ids
         comp = msg.completions.add(
@@ -69,52 +69,53 @@ class BatonService:
             if which is None:
                 raise invalid("prompt: set text or token_ids")
             prompt = req.text if which == "text" else list(req.token_ids.ids)
+            rt = await self.rt.route(call, req.model, prompt)
             last = None
-            async with aclosing(self.rt.generate(call, prompt, from_proto(req.sampling), req.priority)) as stream:
+            async with aclosing(rt.generate(call, prompt, from_proto(req.sampling), req.priority)) as stream:
                 async for out in stream:
                     if req.unary:
                         last = out
                     else:
-                        yield generate_response(out, delta=True)
+                        yield generate_response(out, delta=True, model=rt.model_name)
             if last is not None:
-                yield generate_response(last, delta=False)
+                yield generate_response(last, delta=False, model=rt.model_name)
 
-    def _tokenizer(self):
-        tok = self.rt.core.tokenizer
+    @staticmethod
+    def _tokenizer(rt: Runtime):
+        tok = rt.core.tokenizer
         if tok is None:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: use token ids")
         return tok
 
     async def tokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.baton("TokenizeRequest"), data)
-        self.rt.check_model(req.model)
-        return proto.baton("TokenizeResponse")(token_ids=self._tokenizer().encode(req.text))
+        return proto.baton("TokenizeResponse")(token_ids=self._tokenizer(self.rt.resolve(req.model)).encode(req.text))
 
     async def detokenize(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.baton("DetokenizeRequest"), data)
-        self.rt.check_model(req.model)
-        vocab = self.rt.core.vocab_size
+        rt = self.rt.resolve(req.model)
+        vocab = rt.core.vocab_size
         bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise invalid(f"token_ids: {bad} is outside the vocabulary (0..{vocab - 1})")
-        text = self._tokenizer().decode(list(req.token_ids), skip_special_tokens=not req.keep_special_tokens)
+        text = self._tokenizer(rt).decode(list(req.token_ids), skip_special_tokens=not req.keep_special_tokens)
         return proto.baton("DetokenizeResponse")(text=text)
 
     async def model_info(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.baton("ModelInfoRequest"), data)
-        self.rt.check_model(req.model)
-        core = self.rt.core
+        rt = self.rt.resolve(req.model)
+        core = rt.core
         cfg = core.model.config
         weight = next(core.model.parameters())
         spec = core.config.speculative
         spec_mode = "none" if spec is None else spec.describe()
         return proto.baton("ModelInfoResponse")(
-            name=self.rt.model_name,
+            name=rt.model_name,
             architecture=cfg.model_type or cfg.infer_model_type(),
             config_json=json.dumps(cfg.to_dict(), sort_keys=True),
             max_context=core.max_model_len,
             dtype=str(weight.dtype).removeprefix("torch."),
-            quantization=self.rt.quantization,
+            quantization=rt.quantization,
             speculative_mode=spec_mode,
             vocab_size=core.vocab_size,
             kv_block_size=core.config.block_size,
@@ -133,4 +134,7 @@ def server_info_fields(rt: Runtime, stats: EngineStats | None) -> dict:
     own = dict(
         version=VERSION, uptime_s=time.monotonic() - rt.started, state=rt.state, failure_reason=rt.failure_reason or ""
     )
+    coe = rt.composition_info()
+    if coe is not None:
+        own["coe"] = coe
     return own if stats is None else {**own, **dataclasses.asdict(stats)}

@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 
 from baton.serve import proto
 from baton.serve.kserve_tensors import INPUTS, OUTPUT, LLMRequest, fill_response, parse_llm_request
-from baton.serve.rpc import invalid, parse, service_handler, status_of
+from baton.serve.rpc import RpcError, invalid, parse, service_handler, status_of
 from baton.serve.runtime import VERSION, Call, Runtime
 
 ModelInferRequest, ModelInferResponse = proto.kserve("ModelInferRequest"), proto.kserve("ModelInferResponse")
@@ -39,6 +39,9 @@ class KServeService:
                 "ServerMetadata": self.server_metadata,
                 "ModelMetadata": self.model_metadata,
                 "ModelInfer": self.model_infer,
+                "RepositoryIndex": self.repository_index,
+                "RepositoryModelLoad": self.repository_model_load,
+                "RepositoryModelUnload": self.repository_model_unload,
             },
             bidi_streaming={"ModelStreamInfer": self.model_stream_infer},
         )
@@ -54,8 +57,13 @@ class KServeService:
 
     async def model_ready(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.kserve("ModelReadyRequest"), data)
-        self.rt.check_model(req.name, req.version)
-        return proto.kserve("ModelReadyResponse")(ready=self.rt.state == "serving")
+        try:
+            rt = self.rt.resolve(req.name, req.version)
+        except RpcError as e:
+            if e.code != grpc.StatusCode.UNAVAILABLE:  # unknown: NOT_FOUND; known but not loaded: not ready
+                raise
+            return proto.kserve("ModelReadyResponse")(ready=False)
+        return proto.kserve("ModelReadyResponse")(ready=self.rt.state == "serving" and rt.state == "serving")
 
     async def server_metadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         parse(proto.kserve("ServerMetadataRequest"), data)
@@ -63,44 +71,68 @@ class KServeService:
 
     async def model_metadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         req = parse(proto.kserve("ModelMetadataRequest"), data)
-        self.rt.check_model(req.name, req.version)
-        resp = proto.kserve("ModelMetadataResponse")(name=self.rt.model_name, versions=["1"], platform="baton")
+        self.rt.resolve(req.name, req.version)
+        resp = proto.kserve("ModelMetadataResponse")(
+            name=req.name or self.rt.model_name, versions=["1"], platform="baton"
+        )
         for name, dtype in INPUTS.items():
             resp.inputs.add(name=name, datatype=dtype, shape=[1])
         resp.outputs.add(name=OUTPUT, datatype="BYTES", shape=[-1])
         return resp
 
+    # ------------------------------------------------------------------------------ repository
+    async def repository_index(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        req = parse(proto.kserve("RepositoryIndexRequest"), data)
+        resp = proto.kserve("RepositoryIndexResponse")()
+        for name, state, reason in self.rt.repository_index():
+            if state == "READY" or not req.ready:
+                resp.models.add(name=name, version="1", state=state, reason=reason)
+        return resp
+
+    async def repository_model_load(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        """Load a model by name; a `config` parameter (JSON, Triton's convention) adds a new one."""
+        req = parse(proto.kserve("RepositoryModelLoadRequest"), data)
+        config = req.parameters["config"].string_param if "config" in req.parameters else None
+        await self.rt.load_model(req.model_name, config)
+        return proto.kserve("RepositoryModelLoadResponse")()
+
+    async def repository_model_unload(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        """Stop routing to the model, let its in-flight requests finish, then free it; others go on."""
+        req = parse(proto.kserve("RepositoryModelUnloadRequest"), data)
+        await self.rt.unload_model(req.model_name)
+        return proto.kserve("RepositoryModelUnloadResponse")()
+
     # ------------------------------------------------------------------------------ inference
-    def _response(self, req: Message, texts: list[str] | None, final: bool | None) -> Message:
-        return fill_response(
-            ModelInferResponse(model_name=self.rt.model_name, model_version="1", id=req.id), texts, final
-        )
+    def _response(self, req: Message, model: str, texts: list[str] | None, final: bool | None) -> Message:
+        """`model`: the model that generated (under a CoE, the expert the router chose)."""
+        return fill_response(ModelInferResponse(model_name=model, model_version="1", id=req.id), texts, final)
 
     async def _run(
         self, call: Call, req: Message, streaming_rpc: bool
-    ) -> AsyncIterator[tuple[LLMRequest, list[str], bool]]:
-        """(parsed request, texts, finished) per step when streaming, else once with the whole text."""
+    ) -> AsyncIterator[tuple[LLMRequest, str, list[str], bool]]:
+        """(parsed request, model, texts, finished) per step when streaming, else once with the whole text."""
         self.rt.check_model(req.model_name, req.model_version)
         r = parse_llm_request(req)
         if r.stream and not streaming_rpc:
             raise invalid("input 'stream' is true: streaming needs ModelStreamInfer")
+        rt = await self.rt.route(call, req.model_name, r.prompt, req.model_version)
         prefix = "" if r.exclude_input else r.prompt
         last = None
-        async with aclosing(self.rt.generate(call, r.prompt, r.params)) as stream:
+        async with aclosing(rt.generate(call, r.prompt, r.params)) as stream:
             async for out in stream:
                 if r.stream:
-                    yield r, [prefix + c.delta_text for c in out.outputs], out.finished
+                    yield r, rt.model_name, [prefix + c.delta_text for c in out.outputs], out.finished
                     prefix = ""
                 last = out
         if not r.stream:
-            yield r, [prefix + c.text for c in last.outputs], True
+            yield r, rt.model_name, [prefix + c.text for c in last.outputs], True
 
     async def model_infer(self, data: bytes, context: grpc.aio.ServicerContext) -> Message:
         async with self.rt.request("inference.GRPCInferenceService/ModelInfer", context) as call:
             req = parse(ModelInferRequest, data)
             async with aclosing(self._run(call, req, streaming_rpc=False)) as steps:
-                async for _, texts, _ in steps:
-                    return self._response(req, texts, None)
+                async for _, model, texts, _ in steps:
+                    return self._response(req, model, texts, None)
 
     async def _stream_one(self, data: bytes, context: grpc.aio.ServicerContext, out: asyncio.Queue) -> None:
         req_id = ""
@@ -109,12 +141,12 @@ class KServeService:
                 req = parse(ModelInferRequest, data)
                 req_id = req.id
                 async with aclosing(self._run(call, req, streaming_rpc=True)) as steps:
-                    async for r, texts, finished in steps:
+                    async for r, model, texts, finished in steps:
                         if any(texts) or (finished and not r.empty_final):
-                            resp = self._response(req, texts, finished and not r.empty_final)
+                            resp = self._response(req, model, texts, finished and not r.empty_final)
                             out.put_nowait(StreamResponse(infer_response=resp))
                         if finished and r.empty_final:
-                            out.put_nowait(StreamResponse(infer_response=self._response(req, None, True)))
+                            out.put_nowait(StreamResponse(infer_response=self._response(req, model, None, True)))
         except Exception as e:  # noqa: BLE001 - the error goes to this request only
             message = status_of(e)[1]
             out.put_nowait(StreamResponse(error_message=f"request {req_id!r}: {message}" if req_id else message))

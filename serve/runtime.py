@@ -80,6 +80,7 @@ class Call:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0
+    model: str = ""  # the model that generated, when not the server's name (a CoE's expert)
 
 
 def _ms(t: float | None, since: float) -> str:
@@ -87,7 +88,7 @@ def _ms(t: float | None, since: float) -> str:
 
 
 class Runtime:
-    def __init__(self, model_name: str, limits: Limits):
+    def __init__(self, model_name: str, limits: Limits, metrics: ServerMetrics | None = None):
         self.model_name = model_name
         self.limits = limits
         self.state = "loading"  # -> "serving" -> "draining", or "failed" if the engine loop dies
@@ -96,7 +97,7 @@ class Runtime:
         self.async_engine: AsyncLLMEngine | None = None  # set by attach(), once the model is loaded
         self.quantization = "none"  # e.g. "gptq int4", from the checkpoint's quantization_config
         self.admission = Admission(limits.max_concurrent, limits.max_queued)
-        self.metrics = ServerMetrics(self.engine_stats)
+        self.metrics = metrics or ServerMetrics(self.engine_stats)  # a CoE's experts share the server's
         self.started = time.monotonic()
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}"
@@ -111,6 +112,29 @@ class Runtime:
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND, f"model {self.model_name!r} has no version {version!r} (only '1')"
             )
+
+    def resolve(self, name: str, version: str = "") -> Runtime:
+        """The runtime serving `name` in a non-generation call: here, this one (serve/coe/ has several)."""
+        self.check_model(name, version)
+        return self
+
+    async def route(self, call: Call, name: str, prompt: str | list[int], version: str = "") -> Runtime:
+        """The runtime that generates for this request (a CoE's router may choose by the prompt)."""
+        return self.resolve(name, version)
+
+    def repository_index(self) -> list[tuple[str, str, str]]:
+        """KServe's repository index: (name, state, reason) per model."""
+        return [(self.model_name, "READY" if self.state == "serving" else "UNAVAILABLE", self.failure_reason or "")]
+
+    async def load_model(self, name: str, config_json: str | None) -> None:
+        raise RpcError(grpc.StatusCode.UNIMPLEMENTED, "loading models needs a Composition of Experts (--coe)")
+
+    async def unload_model(self, name: str) -> None:
+        raise RpcError(grpc.StatusCode.UNIMPLEMENTED, "unloading models needs a Composition of Experts (--coe)")
+
+    def composition_info(self) -> dict | None:
+        """ServerInfo's `coe` message fields, when serving a Composition of Experts."""
+        return None
 
     @property
     def core(self) -> LLMEngine:
@@ -207,7 +231,7 @@ class Runtime:
             "queue_ms=%s ttft_ms=%s total_ms=%.1f peer=%s",
             call.request_id,
             call.api,
-            self.model_name,
+            call.model or self.model_name,
             outcome,
             call.prompt_tokens,
             call.cached_tokens,

@@ -13,6 +13,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -61,12 +62,13 @@ class ServerConfig:
 
 
 class BatonServer:
-    """One server; `engine` may be passed in (tests, benchmarks) instead of loaded from config.model."""
+    """One server; `engine` may be passed in (tests, benchmarks) instead of loaded from config.model,
+    and `runtime` too (serve/coe/: several engines behind one server)."""
 
-    def __init__(self, config: ServerConfig, engine: AsyncLLMEngine | None = None):
+    def __init__(self, config: ServerConfig, engine: AsyncLLMEngine | None = None, runtime: Runtime | None = None):
         config.validate()
         self.config = config
-        self.rt = Runtime(config.model_name or Path(config.model).resolve().name, config.limits)
+        self.rt = runtime or Runtime(config.model_name or Path(config.model).resolve().name, config.limits)
         self._engine = engine
         self.port: int | None = None
         self.metrics_port: int | None = None
@@ -140,6 +142,10 @@ class BatonServer:
         q = quantization_config(cfg.model)
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
         await self.rt.attach(self._engine)
+        self._log_ready()
+
+    def _log_ready(self) -> None:
+        cfg = self.config
         mhost = f"[{cfg.metrics_host}]" if ":" in cfg.metrics_host else cfg.metrics_host
         metrics = f"http://{mhost}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
         http = f"{cfg.host}:{self.http_port}" if self.http_port is not None else "off"
@@ -175,9 +181,9 @@ class BatonServer:
         log.info("stopped")
 
 
-async def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
-    server = BatonServer(config)
+async def serve(config: ServerConfig, make: Callable[[ServerConfig], BatonServer] = BatonServer) -> int:
+    """Run until SIGTERM/SIGINT, then drain; 0 on a clean stop. `make` builds the server (CoEServer)."""
+    server = make(config)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -197,5 +203,5 @@ async def serve(config: ServerConfig) -> int:
     return 0
 
 
-def run(config: ServerConfig) -> int:
-    return asyncio.run(serve(config))
+def run(config: ServerConfig, make: Callable[[ServerConfig], BatonServer] = BatonServer) -> int:
+    return asyncio.run(serve(config, make))

@@ -166,6 +166,8 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.serve.server import ServerConfig, run
 
     engine = engine_config(args)
+    if args.coe is not None and (launched_rank() is not None or engine.parallel.world_size > 1):
+        raise ValueError("--coe serves each expert on one device: tensor/pipeline parallel experts are not supported")
     launch = launched_rank()
     if launch is not None or engine.parallel.world_size > 1:  # every rank refuses a bad layout alike, at once
         check_layout(args.model, engine.parallel, args.device, launch)
@@ -188,25 +190,29 @@ def _serve(args: argparse.Namespace) -> int:
         max_stop_string_chars=args.max_stop_chars,
         max_stop_token_ids=args.max_stop_token_ids,
     )
-    return run(
-        ServerConfig(
-            model=args.model,
-            model_name=args.model_name,
-            host=args.host,
-            port=args.port,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-            http_port=args.http_port,
-            metrics_host=args.metrics_host,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            auth_token=_token(args.auth_token_file),
-            drain_timeout_s=args.drain_timeout,
-            device=args.device,
-            dtype=args.dtype,
-            limits=limits,
-            engine=engine,
-        )
+    config = ServerConfig(
+        model=args.model or args.coe,
+        model_name=args.model_name,
+        host=args.host,
+        port=args.port,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        http_port=args.http_port,
+        metrics_host=args.metrics_host,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=_token(args.auth_token_file),
+        drain_timeout_s=args.drain_timeout,
+        device=args.device,
+        dtype=args.dtype,
+        limits=limits,
+        engine=engine,
     )
+    if args.coe is not None:
+        from baton.serve.coe.server import CoEServer, coe_server_config
+
+        config, coe = coe_server_config(args.coe, config)  # a bad CoE file fails here, before a port binds
+        return run(config, lambda c: CoEServer(c, coe))
+    return run(config)
 
 
 def _query(args: argparse.Namespace) -> int:
@@ -361,7 +367,14 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
         help="serve a checkpoint over gRPC (Baton API, KServe v2/Triton, health, metrics) and, with "
         "--http-port, OpenAI's HTTP API",
     )
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="checkpoint directory")
+    what.add_argument(
+        "--coe",
+        metavar="COE.yaml",
+        default=None,
+        help="serve a Composition of Experts: several checkpoints and a router (configs/coe.yaml)",
+    )
     p.add_argument(
         "--served-model-name",
         "--model-name",

@@ -17,7 +17,11 @@ from pathlib import Path
 from baton.common.cli import corpus_args, corpus_config
 
 ENGINE_COMMANDS = ("serve", "generate")
-SPECULATIVE_ALIASES = {"num_speculative_tokens": "num_speculative_tokens", "draft_model": "draft_model"}
+SPECULATIVE_ALIASES = {
+    "num_speculative_tokens": "num_speculative_tokens",
+    "draft_model": "draft_model",
+    "exit_layer": "exit_layer",
+}
 
 
 def _token(path: str | None) -> str | None:
@@ -56,6 +60,10 @@ def engine_config(args: argparse.Namespace):
         parallel=parallel,
     )
     config.validate()  # the scheduler's and speculative settings too
+    if spec is not None and spec.method == "layerskip" and getattr(args, "model", None):
+        from baton.serve.speculative.layerskip import check_checkpoint
+
+        check_checkpoint(spec, args.model)  # a depth to draft from: recorded exits or --exit-layer
     return config
 
 
@@ -111,6 +119,13 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
+    p.add_argument(
+        "--exit-layer",
+        type=int,
+        default=None,
+        metavar="E",
+        help="--speculative layerskip: draft with the model's first E layers (default: its first recorded exit)",
+    )
     p.add_argument(
         "--speculative-disable-above-batch",
         type=int,

@@ -159,7 +159,9 @@ class LLMEngine:
         if config.speculative is not None:
             if config.streaming:
                 raise ValueError("speculative decoding and StreamingLLM cannot be combined")
-            proposer = make_proposer(config.speculative, model_dir, mcfg.vocab_size, runner.device, runner.dtype)
+            proposer = make_proposer(
+                config.speculative, model_dir, mcfg.vocab_size, runner.device, runner.dtype, model=model
+            )
             self.speculative = SpeculativeDecoder(
                 config.speculative, proposer, self.runner, self.block_manager, self.max_model_len
             )

@@ -21,6 +21,7 @@ class SpeculativeConfig:
     lookahead_window: int = 4  # W: Jacobi window positions (lookahead)
     lookahead_ngram: int = 4  # N: n-gram size; N-1 Jacobi levels kept, guesses N-1 tokens deep
     lookahead_guesses: int = 4  # G: n-gram guesses verified per step
+    exit_layer: int | None = None  # layerskip: draft from the first E layers (None: the checkpoint's first exit)
     ngram_max: int = 4
     ngram_min: int = 1
     adaptive: bool = False  # adapt k per sequence from its running acceptance rate
@@ -39,10 +40,14 @@ class SpeculativeConfig:
             raise ValueError("need tree_width >= 1 and 1 <= ngram_min <= ngram_max")
         if self.draft_model and self.method != "draft":
             raise ValueError(f"draft_model is for speculative method 'draft', not {self.method!r}")
-        tree = self.tree_width > 1 or self.tree_nodes is not None or self.tree_choices is not None
-        if tree and self.method not in ("draft", "medusa"):
+        if self.exit_layer is not None and (self.method != "layerskip" or self.exit_layer < 1):
             raise ValueError(
-                f"token trees (tree_width/tree_nodes/tree_choices) are for draft and medusa, not {self.method!r}"
+                f"exit_layer is a layer count >= 1 for speculative method 'layerskip', got {self.exit_layer}"
+            )
+        tree = self.tree_width > 1 or self.tree_nodes is not None or self.tree_choices is not None
+        if tree and self.method not in ("draft", "medusa", "layerskip"):
+            raise ValueError(
+                f"token trees (tree_width/tree_nodes/tree_choices) are for draft, medusa and layerskip, not {self.method!r}"
             )
         if self.tree_nodes is not None and self.tree_nodes < 1:
             raise ValueError(f"tree_nodes must be >= 1, got {self.tree_nodes}")
@@ -63,6 +68,8 @@ class SpeculativeConfig:
         if self.method == "lookahead":
             return f"lookahead W={self.lookahead_window} N={self.lookahead_ngram} G={self.lookahead_guesses}"
         out = f"{self.method} k={self.num_speculative_tokens}"
+        if self.method == "layerskip":
+            out += f" exit_layer={self.exit_layer if self.exit_layer is not None else 'recorded'}"
         if self.tree_choices is not None:
             return out + f" tree_choices={self.tree_choices}"
         return out + (f" tree_width={self.tree_width} tree_nodes={self.node_budget}" if self.tree_width > 1 else "")

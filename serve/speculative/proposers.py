@@ -254,7 +254,9 @@ def make_proposer(
     vocab: int,
     device: torch.device,
     dtype: torch.dtype,
+    model: torch.nn.Module | None = None,
 ) -> Proposer:
+    """`model`: the engine's own model, when this process holds it (layerskip drafts with it)."""
     cfg.validate()
     if cfg.method == "ngram":
         return NgramProposer(cfg)
@@ -264,6 +266,10 @@ def make_proposer(
         from baton.serve.speculative.lookahead import LookaheadProposer
 
         return LookaheadProposer(cfg)
+    if cfg.method == "layerskip":
+        from baton.serve.speculative.layerskip import LayerSkipProposer
+
+        return LayerSkipProposer(cfg, model, model_dir, device, dtype)
     if model_dir is None:
         raise ValueError("Medusa needs the checkpoint directory holding medusa.safetensors")
     return MedusaProposer(cfg, model_dir, device, dtype)

@@ -59,6 +59,7 @@ def spec_modes(d):
         "medusa-tree": SpeculativeConfig("medusa", 3, tree_width=2),
         "medusa-choices": SpeculativeConfig("medusa", 3, tree_choices=MEDUSA_CHOICES),
         "lookahead": SpeculativeConfig("lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_guesses=3),
+        "layerskip": SpeculativeConfig("layerskip", 4, exit_layer=1),  # the target's first layer drafts
     }
 
 
@@ -73,6 +74,7 @@ MODES = [
     "medusa-tree",
     "medusa-choices",
     "lookahead",
+    "layerskip",
 ]
 
 
@@ -105,19 +107,19 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
     assert engine.speculative.stats.proposed > 0
-    if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead"):
+    if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead", "layerskip"):
         assert engine.speculative.stats.accepted > 0
     if mode in ("draft-tree", "lookahead"):  # the agreeing draft / the loop prompt: deeper than one token too
         assert all(a > 0 for a in engine.speculative.stats.accepted_by_depth[:2]), engine.speculative.stats
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
-    if mode.startswith("draft"):
+    if mode.startswith("draft") or mode == "layerskip":
         assert engine.speculative.proposer.bm.num_free_blocks == engine.speculative.proposer.bm.num_blocks, (
             "draft KV leaked"
         )
 
 
-@pytest.mark.parametrize("mode", ["draft-agreeing", "draft-tree", "lookahead"])
+@pytest.mark.parametrize("mode", ["draft-agreeing", "draft-tree", "lookahead", "layerskip"])
 def test_prefix_caching_with_speculation(models, mode):
     d, target = models
     shared = list(range(1, 41))
@@ -153,7 +155,9 @@ def test_choose_preserves_the_target_distribution():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["draft", "ngram", "medusa-tree", "draft-tree", "medusa-choices", "lookahead"])
+@pytest.mark.parametrize(
+    "mode", ["draft", "ngram", "medusa-tree", "draft-tree", "medusa-choices", "lookahead", "layerskip"]
+)
 def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     """Engine level, tiny vocabulary: the empirical distribution of the 2nd and 3rd generated
     tokens matches the target model's exact marginals (enumerated), within a TV bound."""
@@ -172,6 +176,7 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
         "draft-tree": SpeculativeConfig("draft", 2, draft_model=str(tmp_path / "dr"), tree_width=2, tree_nodes=4),
         "medusa-choices": SpeculativeConfig("medusa", 2, tree_choices="[[0], [1], [2], [0, 0], [1, 0]]"),
         "lookahead": SpeculativeConfig("lookahead", lookahead_window=2, lookahead_ngram=3, lookahead_guesses=2),
+        "layerskip": SpeculativeConfig("layerskip", 3, exit_layer=1),
     }[mode]
     prompt = [1, 2, 1, 2, 1]
     engine = LLMEngine.from_checkpoint(

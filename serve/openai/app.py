@@ -310,21 +310,24 @@ class OpenAIFront:
     async def _completion_events(self, head, firsts, gens, params, echoed, usage: bool) -> AsyncIterator[bytes]:
         tok, finals = self.rt.core.tokenizer, list(firsts)
         extra = {"usage": None} if usage else {}
-        sent_echo = set()
+        sent: dict[tuple[int, int], int] = {}  # each choice's token pieces' characters sent: its text_offset base
         try:
             async for p, out in _merge(firsts, gens):
                 finals[p] = out
                 choices = []
                 for c in out.outputs:
                     ids, text, lps = c.delta_token_ids, c.delta_text, R.new_logprobs(c, c.delta_token_ids)
-                    if (p, c.index) not in sent_echo:  # the prompt goes out with each choice's first piece
-                        sent_echo.add((p, c.index))
+                    if (p, c.index) not in sent:  # the prompt goes out with each choice's first piece
+                        sent[p, c.index] = 0
                         if echoed[p][0]:
                             text = echoed[p][0] + text
                             ids, lps = out.prompt_token_ids + ids, echoed[p][1] + lps
                     if not (ids or text or c.finish_reason):
                         continue
-                    lp = None if params.logprobs is None else R.completion_logprobs(tok, ids, lps, k=params.logprobs)
+                    lp = None
+                    if params.logprobs is not None:
+                        lp = R.completion_logprobs(tok, ids, lps, sent[p, c.index], k=params.logprobs)
+                        sent[p, c.index] += sum(len(s) for s in lp["tokens"])
                     choices.append(
                         {
                             "index": p * params.n + c.index,

@@ -193,7 +193,9 @@ def test_streamed_logprobs_equal_non_streamed_and_offline(client, llm):
     whole = client.completions.create(**kw).choices[0].logprobs
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     parts = [c.choices[0].logprobs for c in chunks[:-1] if c.choices[0].logprobs is not None]
-    got = {f: [x for p in parts for x in getattr(p, f)] for f in ("tokens", "token_logprobs", "top_logprobs")}
+    fields = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    got = {f: [x for p in parts for x in getattr(p, f)] for f in fields}
+    assert got["text_offset"] == whole.text_offset  # offsets into the whole text, not restarting each chunk
     assert got["tokens"] == whole.tokens == [tok.decode([t]) for t in ref.token_ids]
     assert got["token_logprobs"] == pytest.approx(whole.token_logprobs, abs=1e-6)
     assert got["token_logprobs"] == pytest.approx(ref_lp, abs=1e-5)

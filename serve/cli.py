@@ -64,6 +64,13 @@ def engine_config(args: argparse.Namespace):
         from baton.serve.speculative.layerskip import check_checkpoint
 
         check_checkpoint(spec, args.model)  # a depth to draft from: recorded exits or --exit-layer
+    if config.early_exit_threshold is not None and getattr(args, "model", None):
+        from baton.common.checkpoint import read_config
+        from baton.serve.early_exit import check_early_exit
+
+        exits = read_config(args.model).early_exit_layers if (Path(args.model) / "config.json").is_file() else None
+        sharded = config.parallel.world_size > 1
+        check_early_exit(config.early_exit_threshold, exits, spec is not None, config.kv_cache_dtype, sharded)
     return config
 
 

@@ -71,6 +71,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"  # "int8" / "fp8": quantized KV pools (serve/quantization/kv_cache.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor/pipeline parallel (serve/parallel/)
+    early_exit_threshold: float | None = None  # CALM: leave at the first recorded exit this confident (serve/early_exit.py)
 
     @property
     def streaming(self) -> bool:
@@ -99,6 +100,8 @@ class EngineConfig:
         self.parallel.validate()
         if self.speculative is not None:
             self.speculative.validate()
+        if self.early_exit_threshold is not None and not 0 < self.early_exit_threshold <= 1:
+            raise ValueError(f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}")
 
 
 class LLMEngine:
@@ -134,6 +137,16 @@ class LLMEngine:
             num_host = config.swap_space_bytes // block_bytes if swap else 0
             runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
         self.runner = runner
+        self.early_exit = None  # CALM confidence early exit (serve/early_exit.py)
+        if config.early_exit_threshold is not None:
+            from baton.serve.early_exit import apply_early_exit, check_early_exit
+
+            sharded = type(runner) is not ModelRunner
+            exits = mcfg.early_exit_layers
+            check_early_exit(
+                config.early_exit_threshold, exits, config.speculative is not None, config.kv_cache_dtype, sharded
+            )
+            self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
         num_blocks, num_host = runner.num_blocks, runner.num_host_blocks
         eviction = None
         if config.streaming:

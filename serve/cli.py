@@ -64,6 +64,10 @@ def engine_config(args: argparse.Namespace):
         from baton.serve.speculative.layerskip import check_checkpoint
 
         check_checkpoint(spec, args.model)  # a depth to draft from: recorded exits or --exit-layer
+    if spec is not None and spec.method == "eagle" and getattr(args, "model", None):
+        from baton.common.eagle import check_eagle
+
+        check_eagle(args.model)  # the head travels in the checkpoint: refuse one without it now
     if config.early_exit_threshold is not None and getattr(args, "model", None):
         from baton.common.checkpoint import read_config
         from baton.serve.early_exit import check_early_exit

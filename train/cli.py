@@ -14,19 +14,23 @@ from baton.common.errors import UserError
 
 def _train(args: argparse.Namespace) -> int:
     from baton.train.config import load_recipe
+    from baton.train.eagle import EagleTrainConfig, train_eagle
     from baton.train.medusa import MedusaTrainConfig, train_medusa
     from baton.train.router import RouterTrainConfig, train_router
     from baton.train.trainer import train
 
     cfg = load_recipe(args.config, args.overrides)  # fails here, before any work, on a bad recipe
     if args.allow_resume_mismatch:
-        if isinstance(cfg, (MedusaTrainConfig, RouterTrainConfig)):
+        if isinstance(cfg, (MedusaTrainConfig, RouterTrainConfig, EagleTrainConfig)):
             raise UserError(
-                "--allow-resume-mismatch applies to model recipes; a Medusa or router recipe does not resume"
+                "--allow-resume-mismatch applies to model recipes; a Medusa, EAGLE or router recipe does not resume"
             )
         cfg.checkpoint.allow_resume_mismatch = True
     if isinstance(cfg, MedusaTrainConfig):
         print(f"Medusa heads written into {train_medusa(cfg)} (serve with: baton serve --speculative medusa)")
+        return 0
+    if isinstance(cfg, EagleTrainConfig):
+        print(f"EAGLE head written into {train_eagle(cfg)} (serve with: baton serve --speculative eagle)")
         return 0
     if isinstance(cfg, RouterTrainConfig):
         rc = train_router(cfg).config

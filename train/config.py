@@ -557,8 +557,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()):
     """What `baton train` runs: a model recipe (TrainConfig), or - when the recipe has a top-level
     `medusa:` section - Medusa heads for a frozen handoff checkpoint (MedusaTrainConfig), or - with
-    a `router:` section - a Composition-of-Experts prompt router (RouterTrainConfig)."""
+    a `router:` section - a Composition-of-Experts prompt router (RouterTrainConfig), or - with an
+    `eagle:` section - an EAGLE draft head for a frozen handoff checkpoint (EagleTrainConfig)."""
     raw = _read_recipe(path)
+    if "eagle" in raw:
+        from baton.train.eagle import eagle_config_from_dict
+
+        return eagle_config_from_dict(raw, overrides)
     if "medusa" in raw:
         from baton.train.medusa import medusa_config_from_dict
 

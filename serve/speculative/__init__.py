@@ -8,6 +8,8 @@
                    a chain, or a tree from the Cartesian product of the heads' top-k)
   * layerskip.py - LayerSkipProposer: the model's own first E layers (+ final norm and LM head)
                    draft, the full model verifies (LayerSkip self-speculation)
+  * eagle.py     - EagleProposer: a trained one-layer EAGLE head drafts from the target's own last
+                   hidden states, a chain or EAGLE-2's dynamic tree (the head: common/eagle.py)
   * lookahead.py - LookaheadProposer: Jacobi iteration trajectories in the verification pass feed
                    an n-gram pool whose guesses are verified (lookahead decoding)
   * decoder.py   - SpeculativeDecoder, what the engine calls: proposals before the schedule,
@@ -26,7 +28,7 @@ Chen et al., 2023; Miao et al., 2023.)
 
 import importlib
 
-METHODS = ("ngram", "draft", "medusa", "lookahead", "layerskip")  # `baton serve --speculative` offers these
+METHODS = ("ngram", "draft", "medusa", "lookahead", "layerskip", "eagle")  # `baton serve --speculative` offers these
 _LAZY = {"SpecStats": "baton.serve.speculative.config", "SpeculativeConfig": "baton.serve.speculative.config"}
 __all__ = ["METHODS", *_LAZY]
 

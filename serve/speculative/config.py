@@ -15,7 +15,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4  # k: the deepest proposal (adaptive k may use fewer)
     draft_model: str | None = None  # checkpoint dir, for method "draft"
     draft_kv_cache_bytes: int = 64 * 1024**2
-    tree_width: int = 1  # >1 (draft, medusa): a token tree, each expanded node's top-`tree_width` children
+    tree_width: int = 1  # >1 (draft, medusa, eagle): a token tree, each expanded node's top-`tree_width` children
     tree_nodes: int | None = None  # a tree's node budget (default k * tree_width)
     tree_choices: str | None = None  # medusa: a fixed topology, JSON paths of top-k ranks ("[[0],[1],[0,0]]")
     lookahead_window: int = 4  # W: Jacobi window positions (lookahead)
@@ -45,9 +45,10 @@ class SpeculativeConfig:
                 f"exit_layer is a layer count >= 1 for speculative method 'layerskip', got {self.exit_layer}"
             )
         tree = self.tree_width > 1 or self.tree_nodes is not None or self.tree_choices is not None
-        if tree and self.method not in ("draft", "medusa", "layerskip"):
+        if tree and self.method not in ("draft", "medusa", "layerskip", "eagle"):
             raise ValueError(
-                f"token trees (tree_width/tree_nodes/tree_choices) are for draft, medusa and layerskip, not {self.method!r}"
+                "token trees (tree_width/tree_nodes/tree_choices) are for draft, medusa, layerskip and eagle, "
+                f"not {self.method!r}"
             )
         if self.tree_nodes is not None and self.tree_nodes < 1:
             raise ValueError(f"tree_nodes must be >= 1, got {self.tree_nodes}")

@@ -125,7 +125,8 @@ class SpeculativeDecoder:
             self.bm.trim(seq)
             self.bm.register_full_blocks(seq)
             if hidden is not None:
-                self.proposer.observe(seq, hidden[node + 1])  # the row whose logits gave the last token
+                # the root's row and each accepted proposal's; the last one gave the last token
+                self.proposer.observe_path(seq, hidden[[0] + [n + 1 for n in path]])
 
     def observe(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
         """A plain (not speculative) step's hidden state for these sequences' next token (wants_hidden)."""

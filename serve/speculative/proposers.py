@@ -29,6 +29,11 @@ class Proposer:
     def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """The hidden state that produced seq's last token (only when wants_hidden)."""
 
+    def observe_path(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """After a verification, hidden [n, H] of the root and each accepted proposal in order (the
+        last produced seq's last token; EAGLE keeps them all); by default only the last is observed."""
+        self.observe(seq, hidden[-1])
+
     def window_rows(self, seq: Sequence) -> int:
         """How many of seq's last proposals are not candidates but rows the proposer itself needs
         computed in the verification pass (lookahead's Jacobi window)."""
@@ -270,6 +275,12 @@ def make_proposer(
         from baton.serve.speculative.layerskip import LayerSkipProposer
 
         return LayerSkipProposer(cfg, model, model_dir, device, dtype)
+    if cfg.method == "eagle":
+        from baton.serve.speculative.eagle import EagleProposer
+
+        if model_dir is None:
+            raise ValueError("EAGLE needs the checkpoint directory holding eagle.safetensors")
+        return EagleProposer(cfg, model_dir, device, dtype)
     if model_dir is None:
         raise ValueError("Medusa needs the checkpoint directory holding medusa.safetensors")
     return MedusaProposer(cfg, model_dir, device, dtype)

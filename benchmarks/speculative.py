@@ -8,7 +8,9 @@ size to find where speculation loses. Every mode runs 3 times, interleaved with 
 median run is reported.
 
 Modes: plain, n-gram, draft chain, draft tree (EAGLE-2 dynamic), Medusa chain, Medusa trees (dynamic
-and a fixed topology), lookahead (Jacobi window + n-gram pool). Acceptance is also reported per
+and a fixed topology), lookahead (Jacobi window + n-gram pool); LayerSkip self-speculation and CALM
+confidence exit at 3 thresholds on a LayerSkip-trained copy of the target (benchmarks/early_exit.py,
+with CALM's quality: agreement with full-depth greedy, held-out perplexity). Acceptance is also reported per
 tree depth (share of the passes proposing depth d whose accepted path reached it).
 
 Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.tokenizer import Tokenizer
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
@@ -163,12 +166,12 @@ def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
 
 
 def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> dict:
-    """Decode the prompts `batch` at a time, each group to completion; only decode steps are timed."""
+    """Decode the prompts `batch` at a time, each group to completion; only decode steps are timed.
+    `spec`: a SpeculativeConfig, None (plain), or a dict of other EngineConfig fields (CALM's threshold)."""
+    extra = spec if isinstance(spec, dict) else {"speculative": spec}
     engine = LLMEngine.from_checkpoint(
         target,
-        EngineConfig(
-            num_kv_blocks=2048, block_size=16, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=batch)
-        ),
+        EngineConfig(num_kv_blocks=2048, block_size=16, scheduler=SchedulerConfig(max_num_seqs=batch), **extra),
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     wall, tokens, latencies = 0.0, 0, []
@@ -248,14 +251,27 @@ def main() -> None:
     workloads = (("natural", natural), ("quoting", quoting))
     if args.smoke:
         workloads = tuple((w, p[:2]) for w, p in workloads)
-    for workload, prompts in workloads:
-        for batch in (1, 2) if args.smoke else (1, 8):
-            runs = median_runs(target, modes(draft), prompts, max_tokens, batch, args.repeats)
-            for name, r in runs.items():
-                r.update(
-                    workload=workload, batch=batch, mode=name, speedup=r["tokens_per_s"] / runs["plain"]["tokens_per_s"]
-                )
-                results["rows"].append(r)
+    # LayerSkip and CALM run on a LayerSkip-trained copy of the target, against its own plain decoding
+    # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
+    import early_exit
+
+    if args.smoke:
+        ls_target = early_exit.smoke_target(target, args.out / "smoke-models" / "layerskip")
+    else:
+        corpus = None if args.target else (str(SHAKESPEARE) if SHAKESPEARE.is_file() else None)
+        ls_dir = target.parent.parent / "layerskip"
+        ls_target = early_exit.layerskip_target(target, ls_dir, 150 if args.quick else 300, corpus)
+    heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
+    quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
+    groups = ((target, modes(draft), "plain"), (ls_target, early_exit.modes(ls_target), "plain (layerskip-trained)"))
+    for group_target, group_modes, base in groups:
+        for workload, prompts in workloads:
+            for batch in (1, 2) if args.smoke else (1, 8):
+                runs = median_runs(group_target, group_modes, prompts, max_tokens, batch, args.repeats)
+                for name, r in runs.items():
+                    speedup = r["tokens_per_s"] / runs[base]["tokens_per_s"]
+                    r.update(workload=workload, batch=batch, mode=name, speedup=speedup, **quality.get(name, {}))
+                    results["rows"].append(r)
     sweep = []
     sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
     for batch in () if args.no_sweep else (1, 2, 4, 8, 16, 32):
@@ -267,13 +283,15 @@ def main() -> None:
     results["batch_sweep"] = sweep
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     print(
-        f"\n{'workload':<11}{'batch':>6}  {'mode':<22}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
+        f"\n{'workload':<11}{'batch':>6}  {'mode':<26}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
         f"{'mean len':>9}  accept by depth"
     )
     for r in results["rows"]:
         depths = " ".join(f"{a:.0%}" for a in r["acceptance_by_depth"])
+        if "ppl" in r:  # CALM and its baseline: quality (agreement with full depth, held-out perplexity)
+            depths += f"agree {r['agreement']:.0%} ppl {r['ppl']:.3f}"
         print(
-            f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<22}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+            f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<26}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
             f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}  {depths}"
         )
     print("\nspeedup over plain decoding by batch size (natural prompts):")

@@ -22,8 +22,10 @@ def test_every_mode_runs_and_reports(tmp_path):
     rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]
     modes = {r["mode"] for r in rows}
     assert {"plain", "lookahead W=4 N=4 G=4", "draft tree k=3 w=2", "medusa tree choices"} <= modes
+    assert any(m.startswith("layerskip") for m in modes) and "calm t=0.6" in modes
+    assert all("ppl" in r and 0 <= r["agreement"] <= 1 for r in rows if r["mode"].startswith("calm"))
     assert len(rows) == len(modes) * 4 and (tmp_path / "speculative.png").is_file()
     for r in rows:
         assert r["tokens_per_s"] > 0 and 0 <= r["acceptance_rate"] <= 1, r
         assert all(0 <= a <= 1 for a in r["acceptance_by_depth"]), r
-        assert (r["mode"] == "plain") == (r["acceptance_by_depth"] == []), r
+        assert r["mode"].startswith(("plain", "calm")) == (r["acceptance_by_depth"] == []), r

@@ -5,6 +5,11 @@ counted so that forked samples (n > 1) share their prompt; a shared, partly fill
 before it is written (copy-on-write). A full block is identified by a hash chained over its tokens
 and its parent's hash, so two requests with the same prefix share the same physical blocks. Freed
 blocks keep their hash and stay findable until they are evicted, least recently used first.
+
+A hybrid model's mixers keep a recurrent state per sequence instead of blocks: `states`
+(serve/state_pool.py's StateSlots) follows every sequence's blocks here - taken with its first
+blocks, freed, forked, swapped with them - and a prefix hit needs the state snapshot where the
+hit ends, so hits are cut back to the longest cached prefix that has one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from baton.serve.sequence import Sequence
+from baton.serve.state_pool import StateOp, StateSlots
 
 
 @dataclass
@@ -32,6 +38,7 @@ class BlockOps:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     rerotations: list[tuple[list[int], int]] = field(default_factory=list)  # StreamingLLM: (blocks, shift left)
+    state_ops: list[StateOp] = field(default_factory=list)  # hybrid: state slot copies/swaps, in order
 
 
 def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -43,7 +50,14 @@ def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_host_blocks: int = 0,
+        states: StateSlots | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.block_size = block_size
@@ -57,6 +71,7 @@ class BlockManager:
         self.pending_copies: list[tuple[int, int]] = []
         self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        self.states = states
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
 
@@ -79,6 +94,8 @@ class BlockManager:
         if block.hash is not None:  # evict it from the prefix cache
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
+                if self.states is not None:
+                    self.states.evict(block.hash)
             block.hash = None
         block.ref_count = 1
         return block_id
@@ -115,6 +132,14 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.states is not None:  # the recurrent state must be restorable where the hit ends
+            kv_hit = len(hits)
+            while hits and not self.states.has_snapshot(seq.block_hashes[len(hits) - 1]):
+                hits.pop()
+            if len(hits) < kv_hit:  # prompts part here: worth a snapshot when this one gets there
+                self.states.diverged[seq.seq_id] = kv_hit * self.block_size
+            if hits:
+                self.states.plan_restore(seq, seq.block_hashes[len(hits) - 1])
         for block_id in hits:
             self._ref(block_id)
         seq.block_table = hits
@@ -138,6 +163,8 @@ class BlockManager:
                 block.hash = h
                 self.cached[h] = block.block_id
         seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+        if self.states is not None:
+            self.states.publish(seq)
 
     # --------------------------------------------------------------------------- allocation
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -157,8 +184,11 @@ class BlockManager:
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of KV; False (and no change) if it can't."""
-        if not self.can_allocate(seq, num_new_tokens):
+        if not self.can_allocate(seq, num_new_tokens) or (self.states is not None and not self.states.can_take(seq)):
             return False
+        if self.states is not None:
+            self.states.take(seq)
+            self._plan_snapshot(seq, num_new_tokens)
         if self._needs_cow(seq):
             idx = (seq.num_computed_tokens - seq.num_evicted_tokens) // self.block_size
             old = seq.block_table[idx]
@@ -171,7 +201,26 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
         return True
 
+    def _plan_snapshot(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Block boundaries in this prompt chunk where the state is kept, so that a later request
+        with that prefix can start there: where the same prompt's hit would end (its last block
+        boundary before the final token), where the chunk's last full block ends (long prompts),
+        and where an earlier request's KV blocks matched this prompt but no state did (a shared
+        prefix seen twice)."""
+        if not self.enable_prefix_caching:
+            return
+        bs, start, prompt = self.block_size, seq.num_computed_tokens, seq.num_prompt_tokens
+        end = min(start + num_new_tokens, prompt)
+        wanted = {(prompt - 1) // bs * bs, end // bs * bs, self.states.diverged.get(seq.seq_id, 0)}
+        self.update_hashes(seq)
+        for p in sorted(p for p in wanted if start < p <= end):
+            self.states.plan_snapshot(seq, p, seq.block_hashes[p // bs - 1])
+            if p == self.states.diverged.get(seq.seq_id):
+                del self.states.diverged[seq.seq_id]
+
     def free(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.release(seq)
         # Tail first, so a prompt's head blocks are the last to be evicted from the cache.
         for block_id in reversed(seq.block_table):
             if block_id >= 0:
@@ -195,6 +244,8 @@ class BlockManager:
         for block_id in child.block_table:
             if block_id >= 0:
                 self.blocks[block_id].ref_count += 1
+        if self.states is not None:
+            self.states.fork(parent, child)
 
     def drop_leading_blocks(self, seq: Sequence, start: int, count: int) -> None:
         """Free `count` blocks after the first `start` ones (StreamingLLM / sliding window)."""
@@ -205,9 +256,11 @@ class BlockManager:
 
     # --------------------------------------------------------------------------- swapping
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.host_free) >= len(seq.block_table)
+        return len(self.host_free) >= len(seq.block_table) and (self.states is None or self.states.can_swap_out())
 
     def swap_out(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.swap_out(seq)
         for block_id in seq.block_table:
             host = self.host_free.pop()
             self.pending_swap_out.append((block_id, host))
@@ -217,9 +270,12 @@ class BlockManager:
     def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Room for its swapped blocks plus the new tokens it will compute right away."""
         total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
-        return max(len(seq.host_block_table), -(-total // self.block_size)) <= self.num_free_blocks
+        fits = max(len(seq.host_block_table), -(-total // self.block_size)) <= self.num_free_blocks
+        return fits and (self.states is None or self.states.num_free > 0)
 
     def swap_in(self, seq: Sequence) -> None:
+        if self.states is not None:
+            self.states.swap_in(seq)
         for host in seq.host_block_table:
             block_id = self._pop_free()
             self.pending_swap_in.append((host, block_id))
@@ -230,10 +286,14 @@ class BlockManager:
     def free_host(self, seq: Sequence) -> None:
         self.host_free.extend(seq.host_block_table)
         seq.host_block_table = []
+        if self.states is not None:
+            self.states.free_host(seq)
 
     def take_pending(self) -> BlockOps:
         """The swaps and copies queued since the last call (no rerotations: those are the eviction policy's)."""
         out = BlockOps(self.pending_swap_out, self.pending_swap_in, self.pending_copies)
+        if self.states is not None:
+            out.state_ops = self.states.take_ops()
         self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
         return out
 

@@ -14,6 +14,10 @@ drawn again); a raising forward fails exactly its batch. Then the KV pools are r
 (serve/faults.py): only a count that does not add up, or a raise while failing a request, escapes
 step() as EngineFault - the engine is dead. Admission refuses what could never be scheduled; if
 the scheduler still makes no progress, the request at the head of the queue fails.
+
+Hybrid models (Bamba: Mamba2 mixers + attention) get recurrent-state slots beside the KV pool
+(serve/state_pool.py), counted against the same byte budget; see _hybrid_checks for what they
+cannot be combined with yet.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.checkpoint import read_config
 from baton.common.config import ConfigError
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
@@ -49,6 +54,7 @@ from baton.serve.sequence import Sequence, SequenceStatus
 from baton.serve.speculative import SpecStats, SpeculativeConfig
 from baton.serve.speculative.decoder import SpeculativeDecoder
 from baton.serve.speculative.proposers import make_proposer
+from baton.serve.state_pool import StateBudget, StateSlots, state_slot_bytes
 from baton.serve.stats import EngineStats
 from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
 
@@ -104,6 +110,28 @@ class EngineConfig:
             raise ValueError(f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}")
 
 
+def check_hybrid(config: EngineConfig, mcfg) -> None:
+    """What the state slots cannot do yet fails here, before any work, with the reason."""
+    c, spec = config, config.speculative
+    why = None
+    if c.parallel.world_size > 1:
+        why = (
+            "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools "
+            "only, no recurrent-state slots for the Mamba2 mixers (serve it with tensor/pipeline size 1)"
+        )
+    elif c.streaming:
+        why = "StreamingLLM evicts attention blocks, but the mixers' state keeps the whole past: it does not apply"
+    elif spec is not None and (
+        spec.method == "lookahead" or spec.tree_width > 1 or spec.tree_nodes or spec.tree_choices
+    ):
+        why = (
+            f"speculative {spec.describe()} needs state per tree node or Jacobi window row; the state pool "
+            "checkpoints a chain only (use a chain: ngram, draft or medusa without a tree)"
+        )
+    if why is not None:
+        raise ConfigError(f"model_type {mcfg.model_type!r} (Mamba2 + attention hybrid): {why}")
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -119,23 +147,41 @@ class LLMEngine:
         config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = self.model_config = model.config if runner is None else runner.model_config
-        if mcfg.is_hybrid:  # its mixers need per-sequence recurrent state the pools do not hold yet
-            raise ConfigError(
-                f"model_type {mcfg.model_type!r} (Mamba2 + attention hybrid) cannot be served yet: the engine "
-                "has no recurrent-state slots for its mixer layers"
-            )
+        if mcfg.is_hybrid:
+            check_hybrid(config, mcfg)
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)
         if config.streaming and config.kv_cache_dtype != "auto":
             raise ValueError("StreamingLLM re-rotates cached keys in place: use kv_cache_dtype='auto' with it")
+        states = None
         if runner is None:
             p = next(model.parameters())
             block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
-            num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
             swap = config.scheduler.preemption_mode == "swap"
-            num_host = config.swap_space_bytes // block_bytes if swap else 0
-            runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype)
+            slots = host_slots = 0
+            if mcfg.is_hybrid:
+                split = self._state_slots(block_bytes, state_slot_bytes(mcfg, p.dtype), p.device)
+                num_blocks, slots = split.num_blocks, split.num_slots + split.num_snapshots
+                host_slots = min(config.scheduler.max_num_seqs, config.swap_space_bytes // 2 // split.slot_bytes)
+                host_slots = host_slots if swap else 0  # (half the swap space at most; the rest holds blocks)
+                swap_bytes = config.swap_space_bytes - host_slots * split.slot_bytes
+                states = StateSlots(split.num_slots, split.num_snapshots, host_slots)
+            else:
+                num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
+                swap_bytes = config.swap_space_bytes
+            num_host = swap_bytes // block_bytes if swap else 0
+            runner = ModelRunner(
+                model,
+                num_blocks,
+                config.block_size,
+                num_host,
+                config.kv_cache_dtype,
+                num_state_slots=slots,
+                num_host_state_slots=host_slots,
+            )
+            if states is not None:
+                runner.bind_states(states)
         self.runner = runner
         self.early_exit = None  # CALM confidence early exit (serve/early_exit.py)
         if config.early_exit_threshold is not None:
@@ -155,7 +201,7 @@ class LLMEngine:
             eviction = SlidingWindowPolicy(mcfg.sliding_window)
         self.eviction = eviction
         prefix_caching = config.enable_prefix_caching and eviction is None
-        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host)
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host, states)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
@@ -198,6 +244,9 @@ class LLMEngine:
         if config.parallel.world_size > 1:
             from baton.serve.parallel import start_distributed
 
+            if (mcfg := read_config(path)).is_hybrid:  # before any worker starts
+                check_hybrid(config, mcfg)
+
             return cls(None, tok, config, model_dir=path, runner=start_distributed(path, config, device, dtype))
         ckpt = load_model(path, device=device, dtype=dtype)
         return cls(ckpt.model, tok, config, model_dir=path)
@@ -214,9 +263,31 @@ class LLMEngine:
         if stop is not None:
             stop()
 
+    def _state_slots(self, block_bytes: int, slot_bytes: int, device: torch.device) -> StateBudget:
+        """KV blocks and state slots from one budget (serve/state_pool.py says how it is split);
+        with num_kv_blocks given the slots come on top of the blocks."""
+        c = self.config
+        seqs, prefix = c.scheduler.max_num_seqs, c.enable_prefix_caching
+        if c.num_kv_blocks is not None:
+            budget = StateBudget(c.num_kv_blocks, seqs, min(seqs, c.num_kv_blocks) if prefix else 0, slot_bytes)
+        else:
+            budget = StateBudget.split(self._budget_bytes(device), block_bytes, slot_bytes, seqs, prefix)
+        log.info(
+            "hybrid: %d recurrent-state slots + %d prefix snapshots of %d bytes, %d KV blocks of %d bytes",
+            budget.num_slots, budget.num_snapshots, slot_bytes, budget.num_blocks, block_bytes,
+        )  # fmt: skip
+        return budget
+
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
+        budget = self._budget_bytes(device)
+        blocks = budget // block_bytes
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")
+        return int(blocks)
+
+    def _budget_bytes(self, device: torch.device) -> int:
         c, mcfg = self.config, self.model.config
-        budget = kv_budget_bytes(
+        return kv_budget_bytes(
             device,
             mcfg,
             kv_cache_bytes=c.kv_cache_bytes,
@@ -226,10 +297,6 @@ class LLMEngine:
             max_num_seqs=c.scheduler.max_num_seqs,
             elem=torch.tensor([], dtype=mcfg.dtype).element_size(),
         )
-        blocks = budget // block_bytes
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")
-        return int(blocks)
 
     def _eos_ids(self) -> set[int]:
         eos = self.model_config.eos_token_id
@@ -434,12 +501,16 @@ class LLMEngine:
             touched[seq.request_id] = req
             try:  # (a finished sequence's request failed with another of its samples)
                 if seq.spec_token_ids and not seq.is_finished:
+                    computed = seq.num_computed_tokens
                     spec.verify(
                         seq,
                         logits[row : row + nrows],
                         None if hidden is None else hidden[row : row + nrows],
                         functools.partial(self._append, req, seq, now=now),
                     )
+                    if self.block_manager.states is not None and not seq.is_finished:  # hybrid: the mixers'
+                        # state rolls back to the last accepted token
+                        self.runner.keep_state(seq.seq_id, seq.num_computed_tokens - computed)
                 elif not seq.is_finished:
                     group = [seq]
                     if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
@@ -474,7 +545,10 @@ class LLMEngine:
             outputs += [req.output(final=True) for req in self._failed]
             self._failed.clear()
             s = self.scheduler
-            problem = pool_problem(self.block_manager, s.running + s.waiting + s.swapped)
+            live = s.running + s.waiting + s.swapped
+            problem = pool_problem(self.block_manager, live)
+            if problem is None and self.block_manager.states is not None:
+                problem = self.block_manager.states.problem(live)
             if problem is not None:
                 raise EngineFault(f"the KV cache does not add up after failing requests: {problem}")
         for out in outputs:

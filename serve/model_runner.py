@@ -2,6 +2,10 @@
 
 With tensor/pipeline parallelism (serve/parallel/) every rank has a ModelRunner over its shard:
 its pipeline stage's layers (`layers`), its attention heads, and KV pools for exactly those.
+
+A hybrid model (Bamba) has KV pools for its attention layers only, and a StatePool
+(serve/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
+BlockManager's StateSlots, which say each scheduled sequence's slot.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from baton.serve.block_manager import BlockOps
 from baton.serve.fusion import fuse_projections
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
-from baton.serve.step_plan import DECODE_ROWS, StepPlan
+from baton.serve.state_pool import PagedHybridAttention, Segment, StatePool, StateSlots
+from baton.serve.step_plan import DECODE_ROWS, StepPlan, plan_chunks
 
 
 log = logging.getLogger(__name__)
@@ -60,11 +65,13 @@ def kv_block_bytes(
     num_layers: int | None = None,
     num_kv_heads: int | None = None,
 ) -> int:
-    """Bytes of one KV block over `num_layers` layers of `num_kv_heads` heads (default: the whole model)."""
+    """Bytes of one KV block over `num_layers` layers of `num_kv_heads` heads (default: the whole
+    model's attention layers)."""
     cfg = model.config
     pool_dtype, width = pool_layout(kv_cache_dtype, dtype, cfg.head_dim)
     elem = torch.tensor([], dtype=pool_dtype).element_size()
-    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+    attn_layers = sum(cfg.is_attention_layer(i) for i in range(cfg.num_hidden_layers))
+    layers = attn_layers if num_layers is None else num_layers
     heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
     return 2 * layers * block_size * heads * width * elem
 
@@ -88,9 +95,12 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
+        num_state_slots: int = 0,
+        num_host_state_slots: int = 0,
     ):
         """`layers`: the global indices of the decoder layers this runner holds (a pipeline stage);
-        default all. Their attention modules give the (possibly sharded) KV head count."""
+        default all. Their attention modules give the (possibly sharded) KV head count. A hybrid
+        model needs `num_state_slots` (running sequences + prefix snapshots) for its mixers."""
         self.model = fuse_projections(fuse_residual_norms(model.eval()))
         cfg = model.config
         p = next(model.parameters())
@@ -105,13 +115,13 @@ class ModelRunner:
         self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         self.layers = [self.model.model.layers[i] for i in self.layer_ids]
         pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
-        shape = (self.layers[0].self_attn.num_kv_heads, width)
+        shape = (next(x.self_attn for x in self.layers if hasattr(x, "self_attn")).num_kv_heads, width)
         pin = self.device.type == "cuda"
 
         def pools(n: int, device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
             # Zero-filled: padded block-table entries may be read (and masked), never as NaN. Indexed
-            # by global layer; a pipeline stage has None for the layers other stages hold.
-            mine = set(self.layer_ids)
+            # by global layer; None for the layers other pipeline stages hold and for mixer layers.
+            mine = {i for i in self.layer_ids if cfg.is_attention_layer(i)}
             return [
                 tuple(
                     torch.zeros(n, block_size, *shape, dtype=pool_dtype, device=device, pin_memory=pin_memory)
@@ -124,7 +134,19 @@ class ModelRunner:
 
         self.kv_caches = pools(num_blocks, self.device)
         self.host_caches = pools(num_host_blocks, "cpu", pin) if num_host_blocks else []
-        self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
+        self.state_slots: StateSlots | None = None
+        mixers = {i: x.mamba for i, x in zip(self.layer_ids, self.layers) if hasattr(x, "mamba")}
+        if mixers:
+            if num_state_slots < 1:
+                raise ValueError(f"a hybrid model ({cfg.model_type}) needs recurrent-state slots for its mixers")
+            self.state_pool = StatePool(mixers, num_state_slots, num_host_state_slots, self.device, self.dtype, pin)
+            self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
+        else:
+            self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
+
+    def bind_states(self, slots: StateSlots) -> None:
+        """The BlockManager's record of which sequence holds which state slot."""
+        self.state_slots = slots
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:
@@ -146,6 +168,8 @@ class ModelRunner:
                 dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
         for blocks, shift in ops.rerotations:
             self._rerotate(blocks, shift)
+        if ops.state_ops:
+            self.state_pool.apply(ops.state_ops)
 
     def _rerotate(self, blocks: list[int], shift: int) -> None:
         """Move cached keys `shift` positions left: RoPE(p - s) = RoPE(-s) . RoPE(p)."""
@@ -187,7 +211,7 @@ class ModelRunner:
         """(logits [rows, vocab], final hidden states [rows, hidden] when the plan asks) of the
         rows to sample. RMSNorm is per row, so only the sampled rows are normalised."""
         rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        picked = self.model.model.norm(x[0][rows])
+        picked = self.model.model.final_norm(x[0][rows])
         return self.model.compute_logits(picked), picked if plan.return_hidden else None
 
     def execute(
@@ -199,12 +223,35 @@ class ModelRunner:
     ) -> ExecuteResult:
         """Run the step (hidden states are returned only with return_hidden)."""
         plan, groups = self.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
+        if self.state_slots is not None:
+            self._begin_states(scheduled)
         logits, hidden = self.head(plan, self.forward(plan))
         return ExecuteResult(logits, groups, hidden)
 
+    def _begin_states(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The mixers' view of the step: each chunk's rows and slot (zeroed for a sequence's first
+        chunk), in the plan's packing order."""
+        slots, segments, fresh, row = self.state_slots, [], [], 0
+        for c in plan_chunks(scheduled)[0]:
+            slot, n = slots.slot_of[c.seq_id], len(c.tokens)
+            if c.start == 0:
+                fresh.append(slot)
+            snap = [(p - c.start, s) for p, s in slots.snapshots_at(c.seq_id) if c.start < p <= c.start + n]
+            segments.append(Segment(c.seq_id, row, n, slot, c.sample == "all", snap))
+            row += n
+        self.state_pool.zero(fresh)
+        self.attn.begin(segments)
+
+    def keep_state(self, seq_id: int, num_accepted: int) -> None:
+        """After a speculative chunk's verification: its state is the one at the last accepted token."""
+        if self.state_slots is not None:
+            self.attn.keep_state(seq_id, num_accepted)
+
     def release(self, seq_id: int) -> None:
         """A sequence left the engine. This runner keeps nothing per sequence (the distributed
-        runner forgets the block table its workers hold)."""
+        runner forgets the block table its workers hold); a speculative state not kept is dropped."""
+        if self.state_slots is not None:
+            self.attn.spec_states.pop(seq_id, None)
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""

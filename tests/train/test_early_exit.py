@@ -158,3 +158,19 @@ def test_bad_early_exit_sections_are_refused(tmp_path, section, extra, match):
     model = {k: v for k, v in CFG.to_dict().items() if k in ("hidden_size", "num_hidden_layers", "num_attention_heads")}
     with pytest.raises(ConfigError, match=match):
         config_from_dict(recipe(tmp_path, model=model, early_exit=section, **extra))
+
+
+@pytest.mark.slow
+def test_ddp_trains_the_same_exits_as_one_process(recipe, tmp_path):
+    """DDP over 2 ranks: the same weights as one process with the whole global batch (the exit
+    losses sit inside DDP's forward); with layer dropout on, every rank still reduces every gradient."""
+    from .conftest import MULTI_RUN, final_state, max_rel_diff, run
+
+    common = "model.num_hidden_layers=3,early_exit.exit_layers=[2],early_exit.loss_scale=2.0"
+    for nproc, specs in ((1, [f"ee={common}"]), (2, [f"ee={common}", f"drop={common},early_exit.layer_dropout=0.5"])):
+        run(
+            nproc, [str(recipe), str(tmp_path / f"w{nproc}"), *specs], tmp_path / f"w{nproc}.log", script=str(MULTI_RUN)
+        )
+    one, two = final_state(tmp_path / "w1" / "ee"), final_state(tmp_path / "w2" / "ee")
+    assert max_rel_diff(two.weights, one.weights) < 1e-4
+    assert json.loads((tmp_path / "w2" / "drop" / "handoff" / "config.json").read_text())["early_exit_layers"] == [2]

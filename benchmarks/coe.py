@@ -184,7 +184,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as the server runs it: off the main thread
             single = pool.submit(route_times, router, [t for t, _ in pairs[:: max(1, len(pairs) // 30)]]).result()
         acc = sum(p == e for (p, _), (_, e) in zip(picks, pairs)) / len(pairs)
-        result["router"][kind] = {"held_out_accuracy": acc, "held_out": len(pairs),
+        by_kind = {k: sum(p == e for (p, _), (_, e) in zip(picks, pairs) if e == k) / len(held[k]) for k in held}
+        result["router"][kind] = {"held_out_accuracy": acc, "held_out": len(pairs), "by_expert": by_kind,
+                                  "train_accuracy": router.config.train_accuracy,
                                   "route_ms": statistics.median(single) * 1e3}  # fmt: skip
         print(
             f"router {kind:<10} held-out accuracy {acc:.3f} ({len(pairs)} prompts), {result['router'][kind]['route_ms']:.2f} ms/prompt"

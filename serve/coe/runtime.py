@@ -112,6 +112,8 @@ class CoERuntime(Runtime):
         e = self.experts[name]
         if e.state != "READY" or e.rt is None or e.rt.state != "serving":
             why = e.reason if e.state == "UNAVAILABLE" else e.state.lower()
+            if e.rt is not None and e.rt.state == "failed":
+                why = f"its engine failed: {e.rt.failure_reason}; unload and load it again"
             raise RpcError(grpc.StatusCode.UNAVAILABLE, f"expert {name!r} is not ready ({why})")
         return e.rt
 

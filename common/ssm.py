@@ -45,8 +45,25 @@ def causal_conv1d(
     if window is None:
         window = x.new_zeros(x.shape[0], x.shape[1], k - 1)
     xp = torch.cat([window.to(x.dtype), x], dim=-1)
-    out = F.conv1d(xp, weight[:, None, :], bias, groups=x.shape[1])
+    if x.shape[-1] == 1:  # a decode step: one dot per channel (the conv call costs far more)
+        out = (xp * weight).sum(-1, keepdim=True)
+        out = out if bias is None else out + bias[:, None]
+    else:
+        out = F.conv1d(xp, weight[:, None, :], bias, groups=x.shape[1])
     return F.silu(out), xp[..., xp.shape[-1] - (k - 1) :]
+
+
+def scan_step(
+    x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the recurrence, for decode: h = exp(dt A) h + dt x B^T, y = h C - a handful of
+    elementwise ops instead of the chunked scan's one-token chunk. x [b, heads, p], dt [b, heads],
+    B and C [b, groups, n], state [b, heads, p, n]; returns (y [b, heads, p], new state), float32."""
+    rep = x.shape[1] // B.shape[1]
+    B, C = (t.float().repeat_interleave(rep, dim=1) for t in (B, C))
+    decay = torch.exp(dt * A)[..., None, None]
+    h = state.float() * decay + (dt[..., None] * x.float())[..., None] * B[:, :, None, :]
+    return torch.einsum("bhpn,bhn->bhp", h, C), h
 
 
 class GatedRMSNorm(nn.Module):
@@ -115,15 +132,13 @@ class Mamba2Mixer(nn.Module):
         )
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)
         xs = xs.reshape(b, length, self.num_heads, self.head_dim)
-        y, ssm = ssd_scan(
-            xs,
-            dt,
-            -torch.exp(self.A_log.float()),
-            B.reshape(b, length, self.n_groups, self.d_state),
-            C.reshape(b, length, self.n_groups, self.d_state),
-            self.chunk_size,
-            None if state is None else state.ssm,
-        )
+        A = -torch.exp(self.A_log.float())
+        B, C = (t.reshape(b, length, self.n_groups, self.d_state) for t in (B, C))
+        if length == 1 and state is not None and not torch.is_grad_enabled():  # a decode step
+            y, ssm = scan_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)
+            y = y[:, None]
+        else:
+            y, ssm = ssd_scan(xs, dt, A, B, C, self.chunk_size, None if state is None else state.ssm)
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(b, length, self.inner), z)
         return self.out_proj(y.to(x.dtype)), MambaState(conv=window, ssm=ssm)

@@ -216,9 +216,18 @@ def test_config_shapes_and_errors():
         ModelConfig(**{**llama.to_dict(), "attn_layer_indices": [0]})
 
 
-def test_serving_refuses_the_hybrid_with_a_clear_message():
-    """Until the engine has recurrent-state slots, a Bamba model is refused at start-up."""
-    from baton.serve.engine import LLMEngine
+def test_served_handoff_gives_the_reference_greedy_tokens(converted):
+    """The checkpoint served by the engine (state slots, paged attention; tests/serve/
+    test_hybrid_serving.py covers the modes) decodes what the cache-free reference decoder does."""
+    from baton.serve.engine import EngineConfig, LLMEngine
+    from baton.serve.sampling_params import SamplingParams
 
-    with pytest.raises(ConfigError, match="'bamba' .* cannot be served yet"):
-        LLMEngine(build_model(_cfg()))
+    _, tmp = converted
+    prompt = torch.randint(0, 128, (1, 21), generator=torch.Generator().manual_seed(4))
+    ref = greedy_generate(load_checkpoint(tmp / "baton").model.eval(), prompt, 8)[0].tolist()
+    engine = LLMEngine.from_checkpoint(tmp / "baton", EngineConfig(num_kv_blocks=16, block_size=8))
+    engine.add_request("r", prompt[0].tolist(), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].outputs[0].token_ids == ref

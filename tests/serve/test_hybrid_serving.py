@@ -148,11 +148,13 @@ MODES = {
 def test_greedy_matches_hf_with_staggered_arrivals(bamba, mode):
     ckpt, prompts, expected = bamba
     eng = engine(ckpt, **MODES[mode])
+    states, swapped = eng.block_manager.states, []
+    swap_out = states.swap_out
+    states.swap_out = lambda seq: (swapped.append(seq.seq_id), swap_out(seq))
     assert_matches(run_staggered(eng, prompts), expected)
     if mode.startswith("preempt"):
         assert eng.scheduler.num_preemptions > 0
-    if mode == "preempt-swap":
-        assert eng.block_manager.states.num_host > 0
+    assert bool(swapped) == (mode == "preempt-swap")  # states went to host slots and came back
     assert_pool_whole(eng)
 
 
@@ -233,3 +235,19 @@ def test_ngram_speculation_rolls_the_state_back(bamba):
 def test_refused_at_start_up_with_the_reason(bamba, kw, words):
     with pytest.raises(ConfigError, match=words):
         engine(bamba[0], **kw)
+
+
+def test_state_slots_are_counted_against_the_kv_budget(bamba):
+    """One budget: running slots (max_num_seqs), then snapshots (a quarter at most), the rest blocks."""
+    from baton.serve.model_runner import kv_block_bytes
+    from baton.serve.state_pool import state_slot_bytes
+
+    budget = 1_000_000
+    eng = engine(bamba[0], num_kv_blocks=None, kv_cache_bytes=budget, scheduler=SchedulerConfig(max_num_seqs=8))
+    states, model = eng.block_manager.states, eng.runner.model
+    slot, block = state_slot_bytes(model.config, torch.float32), kv_block_bytes(model, 8, torch.float32)
+    assert block == 2 * 2 * 8 * 2 * 8 * 4  # K and V, the 2 attention layers only, 8 tokens of 2 heads x 8
+    assert states.num_slots == 8 and 0 < states.num_snapshots * slot <= budget // 4
+    used = (states.num_slots + states.num_snapshots) * slot + eng.block_manager.num_blocks * block
+    assert budget - block < used <= budget
+    assert eng.runner.state_pool.slots[0].ssm.shape[0] == states.num_slots + states.num_snapshots

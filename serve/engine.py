@@ -16,7 +16,7 @@ step() as EngineFault - the engine is dead. Admission refuses what could never b
 the scheduler still makes no progress, the request at the head of the queue fails.
 
 Hybrid models (Bamba: Mamba2 mixers + attention) get recurrent-state slots beside the KV pool
-(serve/state_pool.py), counted against the same byte budget; see _hybrid_checks for what they
+(serve/state_pool.py), counted against the same byte budget; check_hybrid there says what they
 cannot be combined with yet.
 """
 
@@ -54,7 +54,7 @@ from baton.serve.sequence import Sequence, SequenceStatus
 from baton.serve.speculative import SpecStats, SpeculativeConfig
 from baton.serve.speculative.decoder import SpeculativeDecoder
 from baton.serve.speculative.proposers import make_proposer
-from baton.serve.state_pool import StateBudget, StateSlots, state_slot_bytes
+from baton.serve.state_pool import check_hybrid, plan_states
 from baton.serve.stats import EngineStats
 from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
 
@@ -110,28 +110,6 @@ class EngineConfig:
             raise ValueError(f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}")
 
 
-def check_hybrid(config: EngineConfig, mcfg) -> None:
-    """What the state slots cannot do yet fails here, before any work, with the reason."""
-    c, spec = config, config.speculative
-    why = None
-    if c.parallel.world_size > 1:
-        why = (
-            "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools "
-            "only, no recurrent-state slots for the Mamba2 mixers (serve it with tensor/pipeline size 1)"
-        )
-    elif c.streaming:
-        why = "StreamingLLM evicts attention blocks, but the mixers' state keeps the whole past: it does not apply"
-    elif spec is not None and (
-        spec.method == "lookahead" or spec.tree_width > 1 or spec.tree_nodes or spec.tree_choices
-    ):
-        why = (
-            f"speculative {spec.describe()} needs state per tree node or Jacobi window row; the state pool "
-            "checkpoints a chain only (use a chain: ngram, draft or medusa without a tree)"
-        )
-    if why is not None:
-        raise ConfigError(f"model_type {mcfg.model_type!r} (Mamba2 + attention hybrid): {why}")
-
-
 class LLMEngine:
     def __init__(
         self,
@@ -158,30 +136,15 @@ class LLMEngine:
         if runner is None:
             p = next(model.parameters())
             block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
-            swap = config.scheduler.preemption_mode == "swap"
-            slots = host_slots = 0
-            if mcfg.is_hybrid:
-                split = self._state_slots(block_bytes, state_slot_bytes(mcfg, p.dtype), p.device)
-                num_blocks, slots = split.num_blocks, split.num_slots + split.num_snapshots
-                host_slots = min(config.scheduler.max_num_seqs, config.swap_space_bytes // 2 // split.slot_bytes)
-                host_slots = host_slots if swap else 0  # (half the swap space at most; the rest holds blocks)
-                swap_bytes = config.swap_space_bytes - host_slots * split.slot_bytes
-                states = StateSlots(split.num_slots, split.num_snapshots, host_slots)
+            if mcfg.is_hybrid:  # state slots first, from the same budget
+                num_blocks, num_host, states = plan_states(
+                    config, mcfg, block_bytes, p.dtype, lambda: self._budget_bytes(p.device)
+                )
             else:
                 num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
-                swap_bytes = config.swap_space_bytes
-            num_host = swap_bytes // block_bytes if swap else 0
-            runner = ModelRunner(
-                model,
-                num_blocks,
-                config.block_size,
-                num_host,
-                config.kv_cache_dtype,
-                num_state_slots=slots,
-                num_host_state_slots=host_slots,
-            )
-            if states is not None:
-                runner.bind_states(states)
+                swap = config.scheduler.preemption_mode == "swap"
+                num_host = config.swap_space_bytes // block_bytes if swap else 0
+            runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype, states=states)
         self.runner = runner
         self.early_exit = None  # CALM confidence early exit (serve/early_exit.py)
         if config.early_exit_threshold is not None:
@@ -262,21 +225,6 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
-
-    def _state_slots(self, block_bytes: int, slot_bytes: int, device: torch.device) -> StateBudget:
-        """KV blocks and state slots from one budget (serve/state_pool.py says how it is split);
-        with num_kv_blocks given the slots come on top of the blocks."""
-        c = self.config
-        seqs, prefix = c.scheduler.max_num_seqs, c.enable_prefix_caching
-        if c.num_kv_blocks is not None:
-            budget = StateBudget(c.num_kv_blocks, seqs, min(seqs, c.num_kv_blocks) if prefix else 0, slot_bytes)
-        else:
-            budget = StateBudget.split(self._budget_bytes(device), block_bytes, slot_bytes, seqs, prefix)
-        log.info(
-            "hybrid: %d recurrent-state slots + %d prefix snapshots of %d bytes, %d KV blocks of %d bytes",
-            budget.num_slots, budget.num_snapshots, slot_bytes, budget.num_blocks, block_bytes,
-        )  # fmt: skip
-        return budget
 
     def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
         budget = self._budget_bytes(device)

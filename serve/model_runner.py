@@ -95,12 +95,12 @@ class ModelRunner:
         num_host_blocks: int = 0,
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
-        num_state_slots: int = 0,
-        num_host_state_slots: int = 0,
+        states: StateSlots | None = None,
     ):
         """`layers`: the global indices of the decoder layers this runner holds (a pipeline stage);
         default all. Their attention modules give the (possibly sharded) KV head count. A hybrid
-        model needs `num_state_slots` (running sequences + prefix snapshots) for its mixers."""
+        model needs `states`, the BlockManager's record of the state slots: it sizes the pool and
+        says each scheduled sequence's slot."""
         self.model = fuse_projections(fuse_residual_norms(model.eval()))
         cfg = model.config
         p = next(model.parameters())
@@ -134,19 +134,16 @@ class ModelRunner:
 
         self.kv_caches = pools(num_blocks, self.device)
         self.host_caches = pools(num_host_blocks, "cpu", pin) if num_host_blocks else []
-        self.state_slots: StateSlots | None = None
+        self.state_slots = states
         mixers = {i: x.mamba for i, x in zip(self.layer_ids, self.layers) if hasattr(x, "mamba")}
         if mixers:
-            if num_state_slots < 1:
+            if states is None:
                 raise ValueError(f"a hybrid model ({cfg.model_type}) needs recurrent-state slots for its mixers")
-            self.state_pool = StatePool(mixers, num_state_slots, num_host_state_slots, self.device, self.dtype, pin)
+            num = states.num_slots + states.num_snapshots
+            self.state_pool = StatePool(mixers, num, states.num_host, self.device, self.dtype, pin)
             self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
-
-    def bind_states(self, slots: StateSlots) -> None:
-        """The BlockManager's record of which sequence holds which state slot."""
-        self.state_slots = slots
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:

@@ -29,9 +29,11 @@ KV blocks for the attention layers. Swap space is split the same way (at most ha
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +41,11 @@ from baton.common.config import ConfigError, ModelConfig
 from baton.common.ssm import Mamba2Mixer, MambaState
 from baton.serve.attention import PagedAttention
 from baton.serve.sequence import Sequence
+
+if TYPE_CHECKING:
+    from baton.serve.engine import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,6 +90,51 @@ class StateBudget:
             snaps = 0
             blocks = (budget - running) // block_bytes
         return cls(int(blocks), max_num_seqs, int(snaps), slot_bytes)
+
+
+def check_hybrid(config: EngineConfig, mcfg: ModelConfig) -> None:
+    """What the state slots cannot do yet fails here, before any work, with the reason."""
+    c, spec = config, config.speculative
+    why = None
+    if c.parallel.world_size > 1:
+        why = (
+            "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools "
+            "only, no recurrent-state slots for the Mamba2 mixers (serve it with tensor/pipeline size 1)"
+        )
+    elif c.early_exit_threshold is not None:
+        why = "CALM early exit skips layers for a token, and a skipped mixer's state would miss that token"
+    elif c.streaming:
+        why = "StreamingLLM evicts attention blocks, but the mixers' state keeps the whole past: it does not apply"
+    elif spec is not None and (
+        spec.method == "lookahead" or spec.tree_width > 1 or spec.tree_nodes or spec.tree_choices
+    ):
+        why = (
+            f"speculative {spec.describe()} needs state per tree node or Jacobi window row; the state pool "
+            "checkpoints a chain only (use a chain: ngram, draft or medusa without a tree)"
+        )
+    if why is not None:
+        raise ConfigError(f"model_type {mcfg.model_type!r} (Mamba2 + attention hybrid): {why}")
+
+
+def plan_states(
+    config: EngineConfig, mcfg: ModelConfig, block_bytes: int, dtype: torch.dtype, budget_bytes: Callable[[], int]
+) -> tuple[int, int, StateSlots]:
+    """(KV blocks, host KV blocks, the slots) for a hybrid: the budget split as the module
+    docstring says; with num_kv_blocks given the slots come on top of the blocks."""
+    seqs, prefix, slot = config.scheduler.max_num_seqs, config.enable_prefix_caching, state_slot_bytes(mcfg, dtype)
+    if config.num_kv_blocks is not None:
+        split = StateBudget(config.num_kv_blocks, seqs, min(seqs, config.num_kv_blocks) if prefix else 0, slot)
+    else:
+        split = StateBudget.split(budget_bytes(), block_bytes, slot, seqs, prefix)
+    host_slots = num_host = 0
+    if config.scheduler.preemption_mode == "swap":
+        host_slots = min(seqs, config.swap_space_bytes // 2 // slot)
+        num_host = (config.swap_space_bytes - host_slots * slot) // block_bytes
+    log.info(
+        "hybrid: %d recurrent-state slots + %d prefix snapshots of %d bytes, %d KV blocks of %d bytes",
+        split.num_slots, split.num_snapshots, slot, split.num_blocks, block_bytes,
+    )  # fmt: skip
+    return split.num_blocks, num_host, StateSlots(split.num_slots, split.num_snapshots, host_slots)
 
 
 class StateSlots:

@@ -238,6 +238,7 @@ def test_speculation_rolls_the_state_back(bamba, tmp_path, method):
         (dict(parallel=ParallelConfig(tensor_parallel_size=2)), "tensor/pipeline parallel"),
         (dict(speculative=SpeculativeConfig(method="lookahead")), "checkpoints a chain only"),
         (dict(streaming_window_tokens=32), "StreamingLLM"),
+        (dict(early_exit_threshold=0.9), "early exit"),
         (dict(num_kv_blocks=None, kv_cache_bytes=100_000), "recurrent-state slots"),
     ],
 )

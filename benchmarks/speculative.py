@@ -260,7 +260,7 @@ def main() -> None:
     else:
         corpus = None if args.target else (str(SHAKESPEARE) if SHAKESPEARE.is_file() else None)
         ls_dir = target.parent.parent / "layerskip"
-        ls_target = early_exit.layerskip_target(target, ls_dir, 150 if args.quick else 300, corpus)
+        ls_target = early_exit.layerskip_target(target, ls_dir, 60 if args.quick else 200, corpus)
     heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
     quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
     groups = ((target, modes(draft), "plain"), (ls_target, early_exit.modes(ls_target), "plain (layerskip-trained)"))

@@ -135,7 +135,7 @@ class EarlyExit:
             if p > 0:
                 drop = torch.rand(x.shape[0], generator=self.generator) < p
                 output = torch.where(drop.to(x.device)[:, None, None], x, output)
-            if i + 1 in self.weights:  # an active exit after the first i + 1 layers
+            if i + 1 < self.num_layers and i + 1 in self.weights:  # an active exit after the first i + 1 layers
                 inner = self.model.model
                 self.exit_logits[i + 1] = self.model.compute_logits(inner.final_norm(output))
             return output

@@ -88,8 +88,9 @@ def build(tmp: Path, smoke: bool, n_train: int) -> tuple[dict[str, Path], dict[s
                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=512, eos_token_id=None)  # fmt: skip
         ckpts[name] = save_model(tmp / name, build_model(cfg, seed=i), tokenizer=tok)
-    rows = [{"text": t, "expert": e} for e, ts in train.items() for t in ts]
-    (tmp / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for name, kinds in (("prompts.jsonl", train), ("held_out.jsonl", held)):
+        rows = [{"text": t, "expert": e} for e, ts in kinds.items() for t in ts]
+        (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return ckpts, held
 
 
@@ -175,9 +176,8 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
               "router": {}}  # fmt: skip
     pairs = [(t, e) for e, ts in held.items() for t in ts]
     for kind in ("classifier", "knn"):
-        cfg = RouterTrainConfig(
-            base=str(ckpts["poet"]), data=str(tmp / "prompts.jsonl"), out=str(tmp / kind), kind=kind
-        )
+        data, val = str(tmp / "prompts.jsonl"), str(tmp / "held_out.jsonl")
+        cfg = RouterTrainConfig(base=str(ckpts["poet"]), data=data, out=str(tmp / kind), kind=kind, val_path=val)
         train_router(cfg)
         router = load_router(cfg.out)
         picks = router.route([t for t, _ in pairs])
@@ -188,9 +188,9 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict:
         result["router"][kind] = {"held_out_accuracy": acc, "held_out": len(pairs), "by_expert": by_kind,
                                   "train_accuracy": router.config.train_accuracy,
                                   "route_ms": statistics.median(single) * 1e3}  # fmt: skip
-        print(
-            f"router {kind:<10} held-out accuracy {acc:.3f} ({len(pairs)} prompts), {result['router'][kind]['route_ms']:.2f} ms/prompt"
-        )
+        per = ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items())
+        print(f"router {kind:<10} held-out accuracy {acc:.3f} ({len(pairs)} prompts: {per}), "
+              f"{result['router'][kind]['route_ms']:.2f} ms/prompt")  # fmt: skip
     rng = random.Random(2)
     work = [rng.choice(held[rng.choice(list(held))]) for _ in range(args.requests)]
     setups = {

@@ -243,6 +243,7 @@ def test_unload_and_load_experts_while_another_streams(coe, server):
             errors.append(e)
             started.set()
 
+    engines = {n: server.rt.experts[n].rt.async_engine for n in ("coder", "generalist")}
     worker = threading.Thread(target=stream)
     worker.start()
     client = tc.InferenceServerClient(server.target)
@@ -274,6 +275,7 @@ def test_unload_and_load_experts_while_another_streams(coe, server):
         worker.join(120)
         client.close()
     assert not errors and got == ref, errors
+    assert all(server.rt.experts[n].rt.async_engine is e for n, e in engines.items()), "the others never restart"
 
 
 def _bad(tmp: Path, spec: dict, **change) -> Path:

@@ -1,0 +1,161 @@
+"""OpenMP wait policy and thread count for Baton's CPU engine, quiet and beside a competing process.
+
+Why: on a 2-core machine Baton's two-thread decode collapsed (~15x slower) whenever one other
+process competed for the cores, where vLLM's slowed ~2x. A decode step is hundreds of small
+parallel regions; libgomp's threads spin at every barrier (GOMP_SPINCOUNT, 300k by default), so a
+thread whose partner was descheduled burns its own time slice waiting, region after region. This
+measures decode tokens/s for each OpenMP setting (each in a fresh process: libgomp reads its
+environment once, at load) with 0 and 1 busy competitor processes, interleaved over rounds.
+
+Usage: python benchmarks/serve_threads.py [--rounds 2] [--smoke]   (writes results/serve_threads.{json,png})
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+CORES = os.cpu_count() or 1
+SETTINGS = {  # name -> environment for the measured process
+    "default": {"OMP_NUM_THREADS": str(CORES)},
+    "spin 10k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "10000"},
+    "passive": {"OMP_NUM_THREADS": str(CORES), "OMP_WAIT_POLICY": "PASSIVE"},
+    "bound": {"OMP_NUM_THREADS": str(CORES), "GOMP_CPU_AFFINITY": " ".join(map(str, range(CORES)))},
+    "1 thread": {"OMP_NUM_THREADS": "1"},
+}
+
+
+def measure(model_dir: str, batches: list[int], tokens: int) -> dict:
+    """Decode tokens/s at each batch size: (generate 1 + n) - (generate 1), best of two; also the
+    thread count torch runs with and the greedy tokens (a setting must not change them)."""
+    import random
+
+    import torch
+
+    from baton.serve.llm import LLM
+    from baton.serve.sampling_params import SamplingParams
+
+    llm = LLM(model_dir)
+    rng = random.Random(0)
+    vocab = llm.engine.model_config.vocab_size
+    out, made = {}, []
+    for b in batches:
+        prompts = [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(16)]} for _ in range(b)]
+        short, long = (SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 1 + tokens))
+        made += [list(o.outputs[0].token_ids) for o in llm.generate(prompts, long)]  # also the warm-up
+        best = float("inf")
+        for _ in range(2):
+            t0 = time.perf_counter()
+            llm.generate(prompts, short)
+            t1 = time.perf_counter()
+            llm.generate(prompts, long)
+            best = min(best, (time.perf_counter() - t1) - (t1 - t0))
+        out[str(b)] = b * tokens / best
+    return {"tok_s": out, "threads": torch.get_num_threads(), "tokens": made}
+
+
+def make_model(directory: Path, smoke: bool) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = (
+        dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4)
+        if smoke
+        else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8)
+    )
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=8192, num_key_value_heads=2, max_position_embeddings=1024, **size)
+    LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def run_one(model_dir: Path, env: dict[str, str], batches: list[int], tokens: int, competitors: int) -> dict:
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(competitors)]
+    try:
+        cmd = [sys.executable, __file__, "--measure", str(model_dir), ",".join(map(str, batches)), str(tokens)]
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(report["results"])
+    fig, axes = plt.subplots(1, len(report["batches"]), figsize=(5 * len(report["batches"]), 4), squeeze=False)
+    for ax, b in zip(axes[0], report["batches"]):
+        for i, c in enumerate(report["results"][cases[0]]):
+            vals = [report["results"][s][c][str(b)] for s in cases]
+            ax.bar([x + 0.4 * i for x in range(len(cases))], vals, width=0.4, label=f"{c} competitor(s)")
+        ax.set_xticks([x + 0.2 for x in range(len(cases))], cases, rotation=20)
+        ax.set_title(f"decode batch {b}")
+        ax.set_ylabel("tokens/s (best round)")
+        ax.legend()
+    fig.suptitle(f"OpenMP settings, {CORES} cores ({report['note']})")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--competitors", nargs="+", type=int, default=[0, 1], help="busy processes beside it")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, one round, 4 tokens, batches 1 and 4")
+    ap.add_argument("--note", default="shared machine")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--measure", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.measure:
+        model_dir, batches, tokens = args.measure
+        return print(json.dumps(measure(model_dir, [int(b) for b in batches.split(",")], int(tokens))))
+    if args.smoke:
+        args.rounds, args.tokens, args.batches = 1, 4, [1, 4]
+    results = {s: {str(c): {} for c in args.competitors} for s in args.settings}
+    checks = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp), args.smoke)
+        for r in range(args.rounds):
+            for competitors in args.competitors:
+                for name in args.settings:
+                    got = run_one(Path(tmp), SETTINGS[name], args.batches, args.tokens, competitors)
+                    best = results[name][str(competitors)]
+                    for b, v in got["tok_s"].items():
+                        best[b] = max(best.get(b, 0.0), v)
+                    checks.setdefault(name, {"threads": got["threads"], "tokens": got["tokens"]})
+                    rates = ", ".join(f"b{b} {v:.0f}" for b, v in got["tok_s"].items())
+                    print(f"round {r + 1}: {name:>9}, {competitors} competitor(s): {rates} tok/s", flush=True)
+    report = {"cores": CORES, "batches": args.batches, "tokens": args.tokens, "rounds": args.rounds}
+    first = next(iter(checks.values()))["tokens"]
+    report.update(note=args.note, load_average=os.getloadavg(), results=results)
+    report["threads"] = {name: c["threads"] for name, c in checks.items()}
+    report["settings_changing_greedy_tokens"] = [name for name, c in checks.items() if c["tokens"] != first]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "serve_threads_smoke" if args.smoke else "serve_threads"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    plot(report, args.out / f"{stem}.png")
+    cols = [(b, str(c)) for b in args.batches for c in args.competitors]
+    print("| setting | " + " | ".join(f"b{b}, {c} busy" for b, c in cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for name, res in results.items():
+        cells = " | ".join(f"{res[c][str(b)]:.0f}" for b, c in cols)
+        print(f"| {name} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -39,7 +39,6 @@ def measure(model_dir: str, batches: list[int], tokens: int) -> dict:
     import random
 
     import torch
-
     from baton.serve.llm import LLM
     from baton.serve.sampling_params import SamplingParams
 
@@ -67,9 +66,9 @@ def make_model(directory: Path, smoke: bool) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     size = (
-        dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4)
+        {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2, "num_attention_heads": 4}
         if smoke
-        else dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8)
+        else {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 6, "num_attention_heads": 8}
     )
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=8192, num_key_value_heads=2, max_position_embeddings=1024, **size)

@@ -72,9 +72,10 @@ def engine_config(args: argparse.Namespace):
         from baton.common.checkpoint import read_config
         from baton.serve.early_exit import check_early_exit
 
-        exits = read_config(args.model).early_exit_layers if (Path(args.model) / "config.json").is_file() else None
-        sharded = config.parallel.world_size > 1
-        check_early_exit(config.early_exit_threshold, exits, spec is not None, config.kv_cache_dtype, sharded)
+        if (Path(args.model) / "config.json").is_file():
+            sharded = config.parallel.world_size > 1
+            model = read_config(args.model)
+            check_early_exit(config.early_exit_threshold, model, spec is not None, config.kv_cache_dtype, sharded)
     return config
 
 

@@ -14,7 +14,7 @@ benchmarks/speculative.py measures agreement, perplexity and speed over threshol
 Compute: an exited row runs only the K/V projections of the layers it skips, the rows still in
 run the whole layer, in one sub-batch (the attention metadata narrowed to them). Applied to a
 plain ModelRunner from outside (its `execute` replaced); sharded runners, speculative decoding
-and quantized KV pools are refused.
+quantized KV pools and hybrid models are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from collections import Counter
 
 import torch
 
+from baton.common.config import ModelConfig
 from baton.common.rope import rotary_cos_sin
 from baton.serve.attention import AttentionMetadata
 from baton.serve.model_runner import ExecuteResult, ModelRunner
@@ -31,26 +32,27 @@ from baton.serve.sequence import Sequence
 from baton.serve.step_plan import plan_chunks
 
 
-def check_early_exit(threshold: float, exits: list[int] | None, speculative: bool, kv: str, sharded: bool) -> None:
+def check_early_exit(threshold: float, model: ModelConfig, speculative: bool, kv: str, sharded: bool) -> None:
     """Everything that rules confidence early exit out, as a ValueError naming it (the engine and,
     before a server binds its port, `baton serve` call this)."""
     if not 0 < threshold <= 1:
         raise ValueError(f"early_exit_threshold must be in (0, 1], got {threshold}")
-    if not exits:
+    if not model.early_exit_layers:
         raise ValueError(
             "early_exit_threshold needs a checkpoint with recorded early exits (early_exit_layers in "
             "config.json, written by a `baton train` recipe with an early_exit: section)"
         )
-    if speculative:
-        raise ValueError(
-            "early_exit_threshold and speculative decoding cannot be combined (verification needs full depth)"
-        )
-    if sharded:
-        raise ValueError(
-            "early_exit_threshold runs on a single-process model: not with tensor/pipeline parallel serving"
-        )
-    if kv != "auto":
-        raise ValueError("early_exit_threshold writes its filled K/V unquantized: use kv_cache_dtype 'auto' with it")
+    why = None
+    if model.is_hybrid:
+        why = "a hybrid (Mamba2) model: its mixer layers have no K/V to fill"
+    elif speculative:
+        why = "speculative decoding (verification needs full depth)"
+    elif sharded:
+        why = "tensor/pipeline parallel serving (it runs on a single-process model)"
+    elif kv != "auto":
+        why = "a quantized KV cache (the filled K/V are written unquantized): use kv_cache_dtype 'auto'"
+    if why:
+        raise ValueError(f"early_exit_threshold cannot be combined with {why}")
 
 
 class ConfidenceExit:

@@ -151,9 +151,8 @@ class LLMEngine:
             from baton.serve.early_exit import apply_early_exit, check_early_exit
 
             sharded = type(runner) is not ModelRunner
-            exits = mcfg.early_exit_layers
             check_early_exit(
-                config.early_exit_threshold, exits, config.speculative is not None, config.kv_cache_dtype, sharded
+                config.early_exit_threshold, mcfg, config.speculative is not None, config.kv_cache_dtype, sharded
             )
             self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
         num_blocks, num_host = runner.num_blocks, runner.num_host_blocks

@@ -35,6 +35,10 @@ BLOCK_SIZE = 16
 def exit_layer_for(cfg: SpeculativeConfig, model_config: ModelConfig) -> int:
     """The draft's depth E: `exit_layer` when given, else the checkpoint's first recorded exit."""
     n = model_config.num_hidden_layers
+    if model_config.is_hybrid:
+        raise ValueError(
+            "speculative method 'layerskip' is not for hybrid (Mamba2) models: its draft has no state slots"
+        )
     if cfg.exit_layer is None:
         if not model_config.early_exit_layers:
             raise ValueError(

@@ -152,7 +152,7 @@ def test_threshold_one_is_full_depth_decoding(checkpoint):
     "change, words",
     [
         ({"early_exit_threshold": 0.0}, r"must be in \(0, 1\]"),
-        ({"speculative": SpeculativeConfig("ngram")}, "cannot be combined"),
+        ({"speculative": SpeculativeConfig("ngram")}, "cannot be combined with speculative"),
         ({"kv_cache_dtype": "int8"}, "unquantized"),
     ],
 )

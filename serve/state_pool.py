@@ -334,24 +334,28 @@ class PagedHybridAttention(PagedAttention):
         self.spec_states: dict[int, tuple[int, dict[int, MambaState]]] = {}  # seq_id -> (slot, per layer [n, ...])
 
     def begin(self, segments: list[Segment]) -> None:
-        self.segments = segments
+        """The step's chunks; index tensors are built here once, not once per mixer layer."""
+        dev = self.pool.device
+        decodes = [s for s in segments if s.length == 1 and not s.spec and not s.snapshots]
+        self.segments = [s for s in segments if not (s.length == 1 and not s.spec and not s.snapshots)]
         self.spec_states = {s.seq_id: (s.slot, {}) for s in segments if s.spec}
+        rows = [s.row for s in decodes]
+        # The packing puts decode rows first: usually rows 0..n-1, a slice rather than a gather.
+        self.decode_rows = slice(0, len(rows)) if rows == list(range(len(rows))) else torch.tensor(rows, device=dev)
+        self.decode_slots = torch.tensor([s.slot for s in decodes], device=dev) if decodes else None
+        self.slot_index = {s.slot: torch.tensor([s.slot], device=dev) for s in self.segments}
 
     def mix(self, mixer: Mamba2Mixer, x: torch.Tensor) -> torch.Tensor:
         """x [1, T, hidden] of the packed step -> the mixer's output, states read from and written to the slots."""
         layer, dev = mixer.layer_idx, x.device
         out = torch.empty_like(x)
-        decodes = [s for s in self.segments if s.length == 1 and not s.spec and not s.snapshots]
-        if decodes:  # every single-token decode in one call: the step's cost does not grow with the context
-            rows = torch.tensor([s.row for s in decodes], device=dev)
-            idx = torch.tensor([s.slot for s in decodes], device=dev)
+        if self.decode_slots is not None:  # every single-token decode in one call, its state updated in place
+            rows, idx = self.decode_rows, self.decode_slots
             y, state = mixer.mix(x[0, rows][:, None], self.pool.read(layer, idx))
             out[0, rows] = y[:, 0]
             self.pool.write(layer, idx, state)
         for s in self.segments:
-            if s.length == 1 and not s.spec and not s.snapshots:
-                continue
-            idx = torch.tensor([s.slot], device=dev)
+            idx = self.slot_index[s.slot]
             state, xs = self.pool.read(layer, idx), x[:, s.row : s.row + s.length]
             if s.spec:
                 ys, states = [], []

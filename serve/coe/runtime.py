@@ -143,10 +143,10 @@ class CoERuntime(Runtime):
         t0 = time.perf_counter()
         with self._router_lock:
             expert, confidence = self.router.route([prompt])[0]
-        elapsed = time.perf_counter() - t0
-        self.route_decisions += 1
-        self._confidence_sum += confidence
-        self._route_s += elapsed
+            elapsed = time.perf_counter() - t0
+            self.route_decisions += 1
+            self._confidence_sum += confidence
+            self._route_s += elapsed
         self.coe_metrics.observe_route(expert, confidence, elapsed)
         ready = self.experts[expert].state == "READY"
         if confidence >= self.cfg.router.threshold and ready:

@@ -33,6 +33,8 @@ def coe_server_config(path: str, config: ServerConfig) -> tuple[ServerConfig, Co
     """The checked CoE file (ConfigError before any port is bound) and the server config naming it."""
     if config.http_port is not None:
         raise ConfigError("--http-port is not served with --coe yet: use the gRPC APIs (Baton, KServe v2)")
+    if config.engine.num_kv_blocks is not None:
+        raise ConfigError("--num-kv-blocks sizes one pool: with --coe give each expert kv_cache_mb in the CoE file")
     coe = load_coe_config(path, config.engine.kv_cache_bytes)
     config.model, config.model_name = path, config.model_name or coe.name
     coe.name = config.model_name

@@ -301,3 +301,10 @@ def test_bad_coe_files_fail_before_a_port_binds(coe, capsys):
     path = _bad(tmp, spec, experts=[poet, poet])
     assert baton(["serve", "--coe", str(path), "--port", "0", "--metrics-port", "-1"]) != 0
     assert "is used twice" in capsys.readouterr().err
+    good = ["serve", "--coe", str(coe["yaml"]), "--port", "0", "--metrics-port", "-1"]
+    for flags, message in (
+        (["--num-kv-blocks", "8"], "kv_cache_mb in the CoE file"),
+        (["--http-port", "0"], "--http-port"),
+    ):
+        assert baton([*good, *flags]) != 0
+        assert message in capsys.readouterr().err

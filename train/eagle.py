@@ -95,7 +95,16 @@ def prompt_mask(starts: torch.Tensor, s: int) -> torch.Tensor:
     """[B, 1, S, S] attention mask: row j sees rows starts[b]..j (itself, when j < starts[b])."""
     i = torch.arange(s, device=starts.device)
     causal = i[None, :, None] >= i[None, None, :]
-    return ((causal & (i[None, None, :] >= starts[:, None, None])) | torch.eye(s, dtype=torch.bool))[:, None]
+    own = torch.eye(s, dtype=torch.bool, device=starts.device)
+    return ((causal & (i[None, None, :] >= starts[:, None, None])) | own)[:, None]
+
+
+def prompt_starts(batch: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A cut-off prompt per row, as at serving: half the rows start within their block's first
+    half, the others see the whole block."""
+    b, s = batch.shape[0], batch.shape[1] - 1
+    cut = torch.randint(0, max(1, s // 2), (b,), generator=generator)
+    return torch.where(torch.rand(b, generator=generator) < 0.5, cut, torch.zeros_like(cut))
 
 
 class _Masked:
@@ -115,7 +124,9 @@ def eagle_loss(
     feats: torch.Tensor,
     probs: torch.Tensor,
     tokens: torch.Tensor,
-    cfg: EagleTrainConfig,
+    feature_weight: float = 1.0,
+    token_weight: float = 0.1,
+    feature_noise: float = 0.0,
     starts: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -124,17 +135,17 @@ def eagle_loss(
     Rows before starts[b] (a cut-off prompt) are context only and not scored."""
     b, s = tokens.shape
     x = feats[:, :-1]
-    if cfg.feature_noise and head.training:
-        x = x + (torch.rand(x.shape, generator=generator, device=x.device) * 2 - 1) * cfg.feature_noise
+    if feature_noise and head.training:
+        x = x + (torch.rand(x.shape, generator=generator, device=x.device) * 2 - 1) * feature_noise
     positions = torch.arange(s - 1, device=tokens.device).expand(b, -1)
     attn = _Masked(prompt_mask(starts, s - 1)) if starts is not None else None
     pred = head(x, tokens[:, 1:], positions, attn)
-    scored = torch.ones(b, s - 1, dtype=torch.bool) if starts is None else positions >= starts[:, None]
+    scored = torch.ones_like(positions, dtype=torch.bool) if starts is None else positions >= starts[:, None]
     reg = F.smooth_l1_loss(pred, feats[:, 1:], reduction="none").mean(-1)[scored].mean()
     logp = torch.log_softmax(head.logits(pred).float(), -1)
     ce = -(probs[:, 1:] * logp).sum(-1)[scored].mean()
     agree = (logp.argmax(-1) == probs[:, 1:].argmax(-1))[scored].float().mean()
-    total = cfg.feature_weight * reg + cfg.token_weight * ce
+    total = feature_weight * reg + token_weight * ce
     return total, {"feature": reg.item(), "token": ce.item(), "top1": agree.item()}
 
 
@@ -172,11 +183,10 @@ def train_eagle(cfg: EagleTrainConfig) -> Path:
             group["lr"] = warmup_cosine(step, cfg.lr, 0.0, cfg.warmup_steps, cfg.steps)
         batch = next(stream)
         feats, probs = target_outputs(base, batch)
-        # a cut-off prompt per row, as at serving (half the rows see their whole block)
-        s = batch.shape[1] - 1
-        cut = torch.randint(0, s // 2, (batch.shape[0],), generator=gen)
-        starts = torch.where(torch.rand(batch.shape[0], generator=gen) < 0.5, cut, torch.zeros_like(cut))
-        loss, parts = eagle_loss(head, feats, probs, batch, cfg, starts, gen)
+        starts = prompt_starts(batch, gen)
+        loss, parts = eagle_loss(
+            head, feats, probs, batch, cfg.feature_weight, cfg.token_weight, cfg.feature_noise, starts, gen
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -8,6 +8,7 @@ import torch
 
 from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.config import ModelConfig
+from baton.common.eagle import EagleConfig, EagleHead, save_eagle
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.model import build_model, greedy_generate
 from baton.serve.engine import EngineConfig, LLMEngine
@@ -45,7 +46,30 @@ def models(tmp_path_factory):
     agreeing = build_model(ModelConfig(**{**CFG, "num_hidden_layers": 1}), seed=0)
     agreeing.load_state_dict(sd)
     save_model(d / "agreeing", agreeing)
+    save_eagle(agreeing_eagle(target), d / "target")
     return d, target
+
+
+def agreeing_eagle(target, steps: int = 120) -> EagleHead:
+    """An EAGLE head briefly trained on the target's own greedy continuations: it agrees often
+    enough that accepted paths longer than one token occur (their hidden states go to the head)."""
+    from baton.train.eagle import eagle_loss, prompt_starts, target_outputs
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, CFG["vocab_size"], (16, 8), generator=g)
+    data = torch.cat([prompts, greedy_generate(target, prompts, 40)], 1)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig(target.config.to_dict()))
+    head.attach(target.model.embed_tokens, target.model.final_norm, target.lm_head)
+    opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
+    for _ in range(steps):
+        batch = data[torch.randint(0, len(data), (8,), generator=g)]
+        feats, probs = target_outputs(target, batch)
+        loss, _ = eagle_loss(head, feats, probs, batch, starts=prompt_starts(batch, g))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return head.eval()
 
 
 def spec_modes(d):
@@ -60,6 +84,8 @@ def spec_modes(d):
         "medusa-choices": SpeculativeConfig("medusa", 3, tree_choices=MEDUSA_CHOICES),
         "lookahead": SpeculativeConfig("lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_guesses=3),
         "layerskip": SpeculativeConfig("layerskip", 4, exit_layer=1),  # the target's first layer drafts
+        "eagle-chain": SpeculativeConfig("eagle", 4),
+        "eagle-tree": SpeculativeConfig("eagle", 3, tree_width=2, tree_nodes=5),
     }
 
 
@@ -75,6 +101,8 @@ MODES = [
     "medusa-choices",
     "lookahead",
     "layerskip",
+    "eagle-chain",
+    "eagle-tree",
 ]
 
 
@@ -107,9 +135,14 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and len(bm.host_free) == bm.num_host_blocks
     assert engine.speculative.stats.proposed > 0
-    if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead", "layerskip"):
+    if mode in ("draft-agreeing", "ngram", "draft-tree", "lookahead", "layerskip", "eagle-chain", "eagle-tree"):
         assert engine.speculative.stats.accepted > 0
-    if mode in ("draft-tree", "lookahead"):  # the agreeing draft / the loop prompt: deeper than one token too
+    if mode in (
+        "draft-tree",
+        "lookahead",
+        "eagle-chain",
+        "eagle-tree",
+    ):  # the agreeing draft / the loop prompt: deeper than one token too
         assert all(a > 0 for a in engine.speculative.stats.accepted_by_depth[:2]), engine.speculative.stats
     if pressure == "preempting":
         assert engine.scheduler.num_preemptions > 0
@@ -119,7 +152,7 @@ def test_greedy_identical_to_plain_decoding(models, mode, pressure):
         )
 
 
-@pytest.mark.parametrize("mode", ["draft-agreeing", "draft-tree", "lookahead", "layerskip"])
+@pytest.mark.parametrize("mode", ["draft-agreeing", "draft-tree", "lookahead", "layerskip", "eagle-tree"])
 def test_prefix_caching_with_speculation(models, mode):
     d, target = models
     shared = list(range(1, 41))
@@ -156,7 +189,7 @@ def test_choose_preserves_the_target_distribution():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode", ["draft", "ngram", "medusa-tree", "draft-tree", "medusa-choices", "lookahead", "layerskip"]
+    "mode", ["draft", "ngram", "medusa-tree", "draft-tree", "medusa-choices", "lookahead", "layerskip", "eagle"]
 )
 def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     """Engine level, tiny vocabulary: the empirical distribution of the 2nd and 3rd generated
@@ -169,6 +202,8 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
     heads = MedusaHeads(MedusaConfig(cfg["hidden_size"], 6, num_heads=2))
     heads.init_from_lm_head(target.lm_head)
     save_medusa(heads, tmp_path / "t")
+    torch.manual_seed(2)
+    save_eagle(EagleHead(EagleConfig(target.config.to_dict())), tmp_path / "t")  # random: drafts sampled from q
     spec = {
         "draft": SpeculativeConfig("draft", 3, draft_model=str(tmp_path / "dr")),
         "ngram": SpeculativeConfig("ngram", 3, ngram_min=1),
@@ -177,6 +212,7 @@ def test_sampled_tokens_follow_the_target_model(models, tmp_path, mode):
         "medusa-choices": SpeculativeConfig("medusa", 2, tree_choices="[[0], [1], [2], [0, 0], [1, 0]]"),
         "lookahead": SpeculativeConfig("lookahead", lookahead_window=2, lookahead_ngram=3, lookahead_guesses=2),
         "layerskip": SpeculativeConfig("layerskip", 3, exit_layer=1),
+        "eagle": SpeculativeConfig("eagle", 3),
     }[mode]
     prompt = [1, 2, 1, 2, 1]
     engine = LLMEngine.from_checkpoint(
@@ -238,7 +274,11 @@ def test_tree_forward_matches_each_path_run_plainly(models):
 def test_bad_speculative_configs(models):
     d, _ = models
     with pytest.raises(ValueError, match="speculative method must be one of"):
-        LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("eagle")))
+        LLMEngine.from_checkpoint(
+            d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("nonesuch"))
+        )
+    with pytest.raises(FileNotFoundError, match="no EAGLE head .* an `eagle:` recipe"):
+        LLMEngine.from_checkpoint(d / "agreeing", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("eagle")))
     with pytest.raises(ValueError, match="needs draft_model"):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("draft")))
     with pytest.raises(ValueError, match="disable_above_batch must be >= 1"):

@@ -17,6 +17,7 @@ import transformers
 from baton.common.config import ConfigError
 from baton.common.hf import import_hf
 from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.faults import injector_from_spec
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
@@ -158,11 +159,15 @@ def test_greedy_matches_hf_with_staggered_arrivals(bamba, mode):
     assert_pool_whole(eng)
 
 
-def test_abort_leaves_the_pool_whole(bamba):
+def test_abort_and_failure_leave_the_pool_whole(bamba):
+    """Aborted mid-prefill and mid-decode, and failed after a forward (the engine then recounts
+    blocks and state slots, and would raise EngineFault if they did not add up)."""
     ckpt, prompts, expected = bamba
     eng = engine(ckpt)
+    eng.fault_injector = injector_from_spec("postprocess:^bad$")
     for i, p in enumerate(prompts[:4]):
         eng.add_request(str(i), p, GREEDY)
+    eng.add_request("bad", prompts[4], GREEDY)
     eng.step()  # "1" (41 tokens) is mid-prefill, "0" decodes
     eng.step()
     assert eng.block_manager.states.slot_of
@@ -172,8 +177,8 @@ def test_abort_leaves_the_pool_whole(bamba):
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    assert done == {"2": expected[2][0], "3": expected[3][0]}
+                done[out.request_id] = out.outputs[0].token_ids if out.error is None else "failed"
+    assert done == {"2": expected[2][0], "3": expected[3][0], "bad": "failed"}
     assert_pool_whole(eng)
 
 

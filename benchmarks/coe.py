@@ -55,21 +55,23 @@ def code_line(rng: random.Random) -> str:
                        f"if x{c} > {a}: y = [{b}, {c}]", f"{a} {b} {a * b} {a + b}"])  # fmt: skip
 
 
-def prompts(n: int, seed: int) -> dict[str, list[str]]:
-    """n prompts of each kind, keyed by the expert that should answer them."""
-    rng = random.Random(seed)
+def prompts(n_train: int, n_held: int, seed: int = 0) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Disjoint training and held-out prompts of each kind, keyed by the expert that should answer."""
+    rng, n = random.Random(seed), n_train + n_held
     lines = [s.strip() for s in SHAKESPEARE.read_text().splitlines() if len(s.strip()) > 20]
-    docs = [d.split("\n")[0] for d in itertools.islice(iter_docstrings(), 4000) if len(d.split("\n")[0]) > 20]
-    return {
+    firsts = (d.split("\n")[0] for d in iter_docstrings())
+    docs = list(itertools.islice((d for d in firsts if len(d) > 20), 4 * n))  # parsing the stdlib is slow
+    kinds = {
         "poet": rng.sample(lines, n),
         "coder": [code_line(rng) for _ in range(n)],
         "generalist": rng.sample(docs, n),
     }
+    return {k: v[:n_train] for k, v in kinds.items()}, {k: v[n_train:] for k, v in kinds.items()}
 
 
 def write_prompts(path: Path, n: int = 300) -> None:
     """Labelled prompts for the demo router: shakespeare -> poet, docstrings and code -> docs."""
-    kinds = prompts(n, seed=0)
+    kinds = prompts(n, 0)[0]
     rows = [{"text": t, "expert": "poet"} for t in kinds["poet"]]
     rows += [{"text": t, "expert": "docs"} for t in kinds["generalist"] + kinds["coder"][: n // 2]]
     random.Random(0).shuffle(rows)
@@ -80,7 +82,7 @@ def write_prompts(path: Path, n: int = 300) -> None:
 
 def build(tmp: Path, smoke: bool, n_train: int) -> tuple[dict[str, Path], dict[str, list[str]]]:
     """The experts and the labelled training file; returns (checkpoints, held-out prompts by expert)."""
-    train, held = prompts(n_train, seed=0), prompts(max(20, n_train // 5), seed=1)
+    train, held = prompts(n_train, max(20, n_train // 5))
     tok = train_bpe(["\n".join(itertools.chain(*train.values()))], vocab_size=512 if smoke else 2048)
     ckpts = {}
     for i, (name, (hidden, layers)) in enumerate((SMOKE_SIZES if smoke else SIZES).items()):

@@ -98,8 +98,9 @@ def check_hybrid(config: EngineConfig, mcfg: ModelConfig) -> None:
     why = None
     if c.parallel.world_size > 1:
         why = (
-            "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools "
-            "only, no recurrent-state slots for the Mamba2 mixers (serve it with tensor/pipeline size 1)"
+            "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools only, "
+            "no recurrent-state slots, and the mixer's in_proj packs z, x, B, C and dt, so one rank's columns "
+            "are five ranges the shard loader's one-range slices cannot express (serve it with tp = pp = 1)"
         )
     elif c.early_exit_threshold is not None:
         why = "CALM early exit skips layers for a token, and a skipped mixer's state would miss that token"

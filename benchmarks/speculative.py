@@ -92,17 +92,20 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                 }
             )
         )
-    if not (target / "handoff" / "medusa_config.json").is_file():
-        from baton.common.data import DataConfig
+    from baton.common.data import DataConfig
+
+    distilled = out / "distill.jsonl"
+    if not distilled.is_file():
         from baton.serve.distill import DistillConfig, write_distillation_corpus
 
         # self-distillation: the heads learn the target's own greedy continuations (Medusa, section 3.2),
         # written as `baton distill` does, then read like any corpus
-        distilled = write_distillation_corpus(
+        write_distillation_corpus(
             target / "handoff",
-            out / "distill.jsonl",
+            distilled,
             DistillConfig(DataConfig(path=corpus, seq_len=128), samples=96 if quick else 384),
         )
+    if not (target / "handoff" / "medusa_config.json").is_file():
         train_medusa(
             MedusaTrainConfig(
                 base=str(target / "handoff"),
@@ -113,8 +116,21 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                 lr=2e-3,
             )
         )
+    train_eagle_head(target / "handoff", distilled, 300 if quick else 600)
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     return target / "handoff", draft / "handoff", text
+
+
+def train_eagle_head(target: Path, distilled: Path, steps: int) -> None:
+    """An EAGLE head on the frozen target from its distilled continuations (configs/demo-eagle.yaml's
+    settings), once: it is kept in the target's handoff directory."""
+    from baton.common.data import DataConfig
+    from baton.common.eagle import has_eagle
+    from baton.train.eagle import EagleTrainConfig, train_eagle
+
+    if not has_eagle(target):
+        data = DataConfig(path=str(distilled), seq_len=128, val_fraction=0)
+        train_eagle(EagleTrainConfig(base=str(target), data=data, steps=steps, batch_size=12, lr=3e-3))
 
 
 MEDUSA_CHOICES = "[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]"  # 6 nodes, 3 deep
@@ -144,6 +160,9 @@ def smoke_models(out: Path) -> tuple[Path, Path, str]:
     heads = MedusaHeads(MedusaConfig(cfg["hidden_size"], cfg["vocab_size"], num_heads=3))
     heads.init_from_lm_head(target.lm_head)
     save_medusa(heads, out / "target")
+    from baton.common.eagle import EagleConfig, EagleHead, save_eagle
+
+    save_eagle(EagleHead(EagleConfig(target.config.to_dict())), out / "target")
     save_model(out / "draft", build_model(ModelConfig(**{**cfg, "num_hidden_layers": 1}), seed=1), tokenizer=tok)
     return out / "target", out / "draft", text
 
@@ -162,6 +181,10 @@ def modes(draft: Path) -> dict[str, SpeculativeConfig | None]:
         "lookahead W=8 N=5 G=8": SpeculativeConfig(
             "lookahead", lookahead_window=8, lookahead_ngram=5, lookahead_guesses=8
         ),
+        "eagle k=4": SpeculativeConfig("eagle", 4),
+        "eagle k=6": SpeculativeConfig("eagle", 6),
+        "eagle tree k=4 w=2": SpeculativeConfig("eagle", 4, tree_width=2, tree_nodes=8),
+        "eagle tree k=5 w=3": SpeculativeConfig("eagle", 5, tree_width=3, tree_nodes=12),
     }
 
 
@@ -197,6 +220,21 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
     }
 
 
+def prompt_sets(source: str, n: int) -> tuple[tuple[str, list[str]], ...]:
+    """The workloads: `n` natural 48-character prompts cut out of `source`, and `n` quoting ones (a
+    passage twice, then its start again: prompt lookup has something to find)."""
+    rng = random.Random(0)
+    natural = [source[i : i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
+    passage = [source[i : i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
+    quoting = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]
+    return ("natural", natural[:n]), ("quoting", quoting[:n])
+
+
+def selected(spec_modes: dict, only: tuple[str, ...], base: str = "plain") -> dict:
+    """The modes whose names start with one of `only` (all when empty), and the baseline."""
+    return {k: v for k, v in spec_modes.items() if not only or k == base or k.startswith(only)}
+
+
 REPEATS = 3
 SWEPT = ("ngram k=4", "draft k=4", "draft k=6", "medusa k=3")
 
@@ -227,7 +265,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=REPEATS, help="runs per mode (the median is reported)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the batch-size sweep")
     ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    ap.add_argument("--only", help="comma-separated mode-name prefixes to run (plain always runs), e.g. eagle,medusa")
+    ap.add_argument(
+        "--demo-target",
+        help="also measure this checkpoint in the same run (the README demo model with its draft, Medusa and "
+        "EAGLE heads: configs/demo-*.yaml), on prompts from the embedded default corpus",
+    )
+    ap.add_argument("--demo-draft", help="the draft checkpoint for --demo-target")
     args = ap.parse_args()
+    only = tuple(args.only.split(",")) if args.only else ()
+    if args.demo_target and not args.demo_draft:
+        ap.error("--demo-target needs --demo-draft")
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -241,37 +289,42 @@ def main() -> None:
         target, draft, text = Path(args.target), Path(args.draft), default_corpus_text()
     else:
         target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
-    rng = random.Random(0)
     source = text or "To be, or not to be, that is the question. " * 50
-    natural = [source[i : i + 48] for i in (rng.randrange(len(source) - 100) for _ in range(8))]
-    passage = [source[i : i + 120] for i in (rng.randrange(len(source) - 200) for _ in range(8))]
-    quoting = [p + "\n\n" + p + "\n\n" + p[:40] for p in passage]  # a passage twice, then its start again
+    (_, natural), _ = workloads = prompt_sets(source, 2 if args.smoke else 8)
     max_tokens = 6 if args.smoke else 48 if args.quick else 96
     results: dict = {"rows": []}
-    workloads = (("natural", natural), ("quoting", quoting))
-    if args.smoke:
-        workloads = tuple((w, p[:2]) for w, p in workloads)
     # LayerSkip and CALM run on a LayerSkip-trained copy of the target, against its own plain decoding
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit
 
-    if args.smoke:
-        ls_target = early_exit.smoke_target(target, args.out / "smoke-models" / "layerskip")
-    else:
-        corpus = None if args.target else (str(SHAKESPEARE) if SHAKESPEARE.is_file() else None)
-        ls_dir = target.parent.parent / "layerskip"
-        ls_target = early_exit.layerskip_target(target, ls_dir, 60 if args.quick else 200, corpus)
-    heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
-    quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
-    groups = ((target, modes(draft), "plain"), (ls_target, early_exit.modes(ls_target), "plain (layerskip-trained)"))
-    for group_target, group_modes, base in groups:
-        for workload, prompts in workloads:
+    groups = [("char", target, selected(modes(draft), only), "plain", workloads)]
+    quality: dict = {}
+    if not only or any(p.startswith(("layerskip", "calm")) for p in only):
+        if args.smoke:
+            ls_target = early_exit.smoke_target(target, args.out / "smoke-models" / "layerskip")
+        else:
+            corpus = None if args.target else (str(SHAKESPEARE) if SHAKESPEARE.is_file() else None)
+            ls_dir = target.parent.parent / "layerskip"
+            ls_target = early_exit.layerskip_target(target, ls_dir, 60 if args.quick else 200, corpus)
+        heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
+        quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
+        ls_modes = selected(early_exit.modes(ls_target), only, "plain (layerskip-trained)")
+        groups.append(("char", ls_target, ls_modes, "plain (layerskip-trained)", workloads))
+    if args.demo_target:  # the same modes and settings on the demo model, in the same run
+        from baton.common.corpus import default_corpus_text
+
+        demo_prompts = prompt_sets(default_corpus_text(), 8)
+        groups.append(
+            ("demo", Path(args.demo_target), selected(modes(Path(args.demo_draft)), only), "plain", demo_prompts)
+        )
+    for model, group_target, group_modes, base, group_workloads in groups:
+        for workload, prompts in group_workloads:
             for batch in (1, 2) if args.smoke else (1, 8):
                 runs = median_runs(group_target, group_modes, prompts, max_tokens, batch, args.repeats)
                 for name, r in runs.items():
                     speedup = r["tokens_per_s"] / runs[base]["tokens_per_s"]
                     r.update(workload=workload, batch=batch, mode=name, speedup=speedup, **quality.get(name, {}))
-                    results["rows"].append(r)
+                    results["rows"].append({"model": model, **r})
     sweep = []
     sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
     for batch in () if args.no_sweep else (1, 2, 4, 8, 16, 32):
@@ -283,7 +336,7 @@ def main() -> None:
     results["batch_sweep"] = sweep
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     print(
-        f"\n{'workload':<11}{'batch':>6}  {'mode':<26}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
+        f"\n{'model':<6}{'workload':<11}{'batch':>6}  {'mode':<26}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
         f"{'mean len':>9}  accept by depth"
     )
     for r in results["rows"]:
@@ -291,7 +344,7 @@ def main() -> None:
         if "ppl" in r:  # CALM and its baseline: quality (agreement with full depth, held-out perplexity)
             depths += f"agree {r['agreement']:.0%} ppl {r['ppl']:.3f}"
         print(
-            f"{r['workload']:<11}{r['batch']:>6}  {r['mode']:<26}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
+            f"{r['model']:<6}{r['workload']:<11}{r['batch']:>6}  {r['mode']:<26}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
             f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}  {depths}"
         )
     print("\nspeedup over plain decoding by batch size (natural prompts):")
@@ -311,7 +364,7 @@ def plot(r: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     rows = [x for x in r["rows"] if x["mode"] != "plain"]
-    labels = [f"{x['mode']}\n{x['workload'][:3]} b{x['batch']}" for x in rows]
+    labels = [f"{x['mode']}\n{x['model']} {x['workload'][:3]} b{x['batch']}" for x in rows]
     ax[0].barh(range(len(rows)), [x["speedup"] for x in rows])
     ax[0].set_yticks(range(len(rows)), labels, fontsize=6)
     ax[0].axvline(1.0, c="gray", ls="--")

@@ -21,7 +21,7 @@ def test_every_mode_runs_and_reports(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = json.loads((tmp_path / "speculative.json").read_text())["rows"]
     modes = {r["mode"] for r in rows}
-    assert {"plain", "lookahead W=4 N=4 G=4", "draft tree k=3 w=2", "medusa tree choices"} <= modes
+    assert {"plain", "lookahead W=4 N=4 G=4", "draft tree k=3 w=2", "medusa tree choices", "eagle tree k=4 w=2"} <= modes
     assert any(m.startswith("layerskip") for m in modes) and "calm t=0.6" in modes
     assert all("ppl" in r and 0 <= r["agreement"] <= 1 for r in rows if r["mode"].startswith("calm"))
     assert len(rows) == len(modes) * 4 and (tmp_path / "speculative.png").is_file()

@@ -271,7 +271,7 @@ def test_tree_forward_matches_each_path_run_plainly(models):
             assert torch.allclose(logits[i + 1], plain, atol=1e-4), f"node {i} (path {path(i)})"
 
 
-def test_bad_speculative_configs(models):
+def test_bad_speculative_configs(models, capsys):
     d, _ = models
     with pytest.raises(ValueError, match="speculative method must be one of"):
         LLMEngine.from_checkpoint(
@@ -279,6 +279,13 @@ def test_bad_speculative_configs(models):
         )
     with pytest.raises(FileNotFoundError, match="no EAGLE head .* an `eagle:` recipe"):
         LLMEngine.from_checkpoint(d / "agreeing", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("eagle")))
+    from baton.common.cli import main
+
+    # `baton serve` refuses a checkpoint without an EAGLE head before it binds a port
+    flags = ["--port", "0", "--metrics-port", "-1", "--speculative", "eagle"]
+    assert main(["serve", "--model", str(d / "agreeing"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "no EAGLE head" in err and "eagle:" in err and "listening" not in err
     with pytest.raises(ValueError, match="needs draft_model"):
         LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("draft")))
     with pytest.raises(ValueError, match="disable_above_batch must be >= 1"):

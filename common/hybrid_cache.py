@@ -4,8 +4,8 @@ state (conv window + SSM state, baton.common.ssm.MambaState) for Mamba2 mixer la
 It is passed to CausalLM.forward where an attention backend goes (the model never decides how
 attention or state is kept), and it is the model-level reference for carrying state: prefill in
 pieces, then one token per step, each step's mixer cost independent of the context length. The
-server's state slots (one per running sequence, beside the paged KV pool) will be checked against
-it. Works for the attention-only families too (they simply have no mixers).
+server keeps the same state in slots beside its paged KV pool instead (serve/state_pool.py).
+Works for the attention-only families too (they simply have no mixers).
 """
 
 from __future__ import annotations

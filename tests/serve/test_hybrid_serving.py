@@ -266,3 +266,36 @@ def test_state_slots_are_counted_against_the_kv_budget(bamba):
     used = (states.num_slots + states.num_snapshots) * slot + eng.block_manager.num_blocks * block
     assert budget - block < used <= budget
     assert eng.runner.state_pool.slots[0].ssm.shape[0] == states.num_slots + states.num_snapshots
+
+
+def test_snapshots_are_bounded_and_evicted_with_their_blocks():
+    """A snapshot lives as long as the cached block where its prefix ends, and the pool of them is bounded."""
+    from baton.serve.block_manager import BlockManager
+    from baton.serve.sequence import Sequence
+    from baton.serve.state_pool import StateSlots
+
+    states = StateSlots(num_slots=2, num_snapshots=3)
+    bm = BlockManager(4, 4, True, 0, states)
+
+    def run(seq_id: int, tokens: list[int]) -> Sequence:
+        seq = Sequence(seq_id, str(seq_id), 0, tokens, GREEDY)
+        seq.num_computed_tokens = bm.match_prefix(seq)
+        assert bm.allocate_slots(seq, len(tokens) - seq.num_computed_tokens)
+        seq.num_computed_tokens = len(tokens)  # the forward ran
+        bm.register_full_blocks(seq)
+        bm.free(seq)
+        return seq
+
+    a = run(0, list(range(9)))  # snapshots at 8 (where the same prompt's hit ends)
+    assert list(states.snapshots) == [a.block_hashes[1]]
+    again = Sequence(1, "1", 0, list(range(9)), GREEDY)
+    assert bm.match_prefix(again) == 8 and states.restore == {1: states.num_slots}
+    bm.free(again)
+    b = run(2, list(range(100, 113)))  # 4 blocks: a's cached blocks are evicted, and its snapshot with them
+    assert list(states.snapshots) == [b.block_hashes[2]]  # (free snapshot slots were left: not LRU)
+    assert states.problem([]) is None
+    states = StateSlots(num_slots=2, num_snapshots=3)
+    bm = BlockManager(64, 4, True, 0, states)  # room for every block: only the bound evicts snapshots
+    last = [run(i, [i] * 9).block_hashes[1] for i in range(3, 8)]  # more prompts than snapshot slots
+    assert list(states.snapshots) == last[-3:]  # the least recently used went
+    assert states.problem([]) is None and states.num_free == 2

@@ -27,6 +27,8 @@ CORES = os.cpu_count() or 1
 SETTINGS = {  # name -> environment for the measured process
     "default": {"OMP_NUM_THREADS": str(CORES)},
     "spin 10k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "10000"},
+    "spin 30k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "30000"},
+    "spin 100k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "100000"},
     "passive": {"OMP_NUM_THREADS": str(CORES), "OMP_WAIT_POLICY": "PASSIVE"},
     "bound": {"OMP_NUM_THREADS": str(CORES), "GOMP_CPU_AFFINITY": " ".join(map(str, range(CORES)))},
     "1 thread": {"OMP_NUM_THREADS": "1"},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ def engine_config(args: argparse.Namespace):
     """EngineConfig from the hand-written and the derived flags; a bad setting fails here, before a
     server binds its port."""
     from baton.common.flags import dataclass_from_flags
+    from baton.serve import openmp
+
+    logging.getLogger(__name__).info(openmp.configure(getattr(args, "omp_wait_policy", None)))
     from baton.serve.engine import EngineConfig
     from baton.serve.scheduler import SchedulerConfig
     from baton.serve.speculative import SpeculativeConfig
@@ -101,6 +105,13 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
         choices=["auto", "int8", "fp8"],
         default="auto",
         help="store K/V as int8 or fp8 codes with a scale per token and head (~3.6x the tokens per MB of fp32)",
+    )
+    p.add_argument(
+        "--omp-wait-policy",
+        choices=["auto", "spin", "passive"],
+        default=None,
+        help="CPU: OpenMP threads spin or sleep between parallel regions (default auto: sleep when the machine "
+        "is already busy; serve/openmp.py)",
     )
     p.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size (overrides --kv-cache-mb)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")

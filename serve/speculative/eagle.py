@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from baton.common.model import fuse_residual_norms
+from baton.kernels.linear_cpu import pack_linears
+from baton.serve.fusion import fuse_projections
 from baton.serve.sampler import target_distribution
 from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import SpeculativeConfig
@@ -81,9 +84,12 @@ class EagleProposer(Proposer):
 
         self.cfg = cfg
         float_dtype = dtype if dtype is not None and dtype.is_floating_point else None
-        self.head = load_eagle(model_dir, device, float_dtype)
+        # the head's layer runs as the target's do: fused q/k/v and gate/up, residual-add in the norm
+        self.head = fuse_projections(fuse_residual_norms(load_eagle(model_dir, device, float_dtype)))
         p = next(self.head.parameters())
         self.device, self.dtype = p.device, p.dtype
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            pack_linears(self.head)
         self._features = lambda h: features(h.to(self.device, self.dtype), self.head.target[1])
         self.caches: dict[int, _Cache] = {}
         self.generators: dict[int, torch.Generator] = {}
@@ -180,14 +186,15 @@ class EagleProposer(Proposer):
         else:
             self._chains(live, roots, ks)
 
-    def _sample(self, s: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        q = target_distribution(logits.float().cpu(), s)
-        if s.params.greedy:
-            return int(torch.argmax(q)), q
+    def _sample(self, s: Sequence, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """The drafted token and (sampling only) the distribution it was drawn from."""
+        if s.params.greedy:  # (the verifier needs no draft probabilities for a greedy request)
+            return int(torch.argmax(logits)), None
         if s.params.seed is not None and s.seq_id not in self.generators:
             # a stream apart from the target's (seed + index), as the draft model's
             seed = (s.params.seed * 7919 + s.index + 1) % 2**64
             self.generators[s.seq_id] = torch.Generator().manual_seed(seed)
+        q = target_distribution(logits.float().cpu(), s)
         return int(torch.multinomial(q, 1, generator=self.generators.get(s.seq_id))), q
 
     def _chains(self, live, roots: list[torch.Tensor], ks: dict[int, int]) -> None:

@@ -2,21 +2,24 @@
 
 Trains (once, cached under benchmarks/results/spec-models/{quick,full}/) a char-level target model
 on TinyShakespeare (or the embedded corpus), a one-layer draft model with the same tokenizer, and
-self-distilled Medusa heads on the frozen target; then decodes the same 8 prompts with each mode
-at batch 1 (one prompt at a time) and 8 against plain decoding in the same run, and sweeps batch
-size to find where speculation loses. Every mode runs 3 times, interleaved with the others; the
-median run is reported.
+self-distilled Medusa heads and an EAGLE head on the frozen target; then decodes the same 8
+prompts with each mode at batch 1 (one prompt at a time) and 8 against plain decoding in the same
+run, and sweeps batch size to find where speculation loses. Every mode runs 3 times, interleaved
+with the others; the median run is reported.
 
-Modes: plain, n-gram, draft chain, draft tree (EAGLE-2 dynamic), Medusa chain, Medusa trees (dynamic
-and a fixed topology), lookahead (Jacobi window + n-gram pool); LayerSkip self-speculation and CALM
-confidence exit at 3 thresholds on a LayerSkip-trained copy of the target (benchmarks/early_exit.py,
-with CALM's quality: agreement with full-depth greedy, held-out perplexity). Acceptance is also reported per
-tree depth (share of the passes proposing depth d whose accepted path reached it).
+Modes: plain, n-gram, draft chain, draft tree (EAGLE-2 dynamic), Medusa chain, Medusa trees
+(dynamic and a fixed topology), lookahead (Jacobi window + n-gram pool), EAGLE chain and EAGLE-2
+dynamic tree; LayerSkip self-speculation and CALM confidence exit at 3 thresholds on a
+LayerSkip-trained copy of the target (benchmarks/early_exit.py, with CALM's quality: agreement
+with full-depth greedy, held-out perplexity). Acceptance is also reported per tree depth (share of
+the passes proposing depth d whose accepted path reached it).
 
 Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
        python benchmarks/speculative.py --smoke    (tiny random models, one short round: that it runs)
        python benchmarks/speculative.py --target runs/demo/handoff --draft runs/demo-draft/handoff --name speculative-demo
-         (the README demo model after configs/demo-draft.yaml and configs/demo-medusa.yaml)
+         (the README demo model after configs/demo-draft.yaml, demo-medusa.yaml and demo-eagle.yaml)
+       python benchmarks/speculative.py --quick --demo-target runs/demo/handoff --demo-draft runs/demo-draft/handoff
+         (the char model and the demo model in one run and one table; --only eagle,medusa for a subset)
 """
 
 from __future__ import annotations

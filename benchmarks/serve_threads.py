@@ -5,7 +5,8 @@ process competed for the cores, where vLLM's slowed ~2x. A decode step is hundre
 parallel regions; libgomp's threads spin at every barrier (GOMP_SPINCOUNT, 300k by default), so a
 thread whose partner was descheduled burns its own time slice waiting, region after region. This
 measures decode tokens/s for each OpenMP setting (each in a fresh process: libgomp reads its
-environment once, at load) with 0 and 1 busy competitor processes, interleaved over rounds.
+environment once, at load) with 0 and 1 busy competitor processes, interleaved over rounds. "auto"
+is Baton's default (serve/openmp.py): sleep when the machine is already busy at start-up.
 
 Usage: python benchmarks/serve_threads.py [--rounds 2] [--smoke]   (writes results/serve_threads.{json,png})
 """
@@ -24,14 +25,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 CORES = os.cpu_count() or 1
+SPIN = {"OMP_NUM_THREADS": str(CORES), "BATON_OMP_WAIT_POLICY": "spin"}  # libgomp's own default
 SETTINGS = {  # name -> environment for the measured process
-    "default": {"OMP_NUM_THREADS": str(CORES)},
-    "spin 10k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "10000"},
-    "spin 30k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "30000"},
-    "spin 100k": {"OMP_NUM_THREADS": str(CORES), "GOMP_SPINCOUNT": "100000"},
-    "passive": {"OMP_NUM_THREADS": str(CORES), "OMP_WAIT_POLICY": "PASSIVE"},
-    "bound": {"OMP_NUM_THREADS": str(CORES), "GOMP_CPU_AFFINITY": " ".join(map(str, range(CORES)))},
-    "1 thread": {"OMP_NUM_THREADS": "1"},
+    "default": SPIN,
+    "spin 10k": {**SPIN, "GOMP_SPINCOUNT": "10000"},
+    "spin 30k": {**SPIN, "GOMP_SPINCOUNT": "30000"},
+    "spin 100k": {**SPIN, "GOMP_SPINCOUNT": "100000"},
+    "passive": {**SPIN, "OMP_WAIT_POLICY": "PASSIVE"},
+    "bound": {**SPIN, "GOMP_CPU_AFFINITY": " ".join(map(str, range(CORES)))},
+    "1 thread": {**SPIN, "OMP_NUM_THREADS": "1"},
+    "auto": {"OMP_NUM_THREADS": str(CORES)},  # what `import baton.serve` chooses (serve/openmp.py)
 }
 
 
@@ -40,6 +43,9 @@ def measure(model_dir: str, batches: list[int], tokens: int) -> dict:
     thread count torch runs with and the greedy tokens (a setting must not change them)."""
     import random
 
+    from baton.serve import openmp  # first: it picks the wait policy before torch loads libgomp
+
+    # isort: split
     import torch
     from baton.serve.llm import LLM
     from baton.serve.sampling_params import SamplingParams
@@ -60,7 +66,7 @@ def measure(model_dir: str, batches: list[int], tokens: int) -> dict:
             llm.generate(prompts, long)
             best = min(best, (time.perf_counter() - t1) - (t1 - t0))
         out[str(b)] = b * tokens / best
-    return {"tok_s": out, "threads": torch.get_num_threads(), "tokens": made}
+    return {"tok_s": out, "threads": torch.get_num_threads(), "tokens": made, "openmp": openmp.decision}
 
 
 def make_model(directory: Path, smoke: bool) -> None:
@@ -139,12 +145,14 @@ def main() -> None:
                     for b, v in got["tok_s"].items():
                         best[b] = max(best.get(b, 0.0), v)
                     checks.setdefault(name, {"threads": got["threads"], "tokens": got["tokens"]})
+                    checks[name].setdefault("openmp", {})[str(competitors)] = got["openmp"]
                     rates = ", ".join(f"b{b} {v:.0f}" for b, v in got["tok_s"].items())
                     print(f"round {r + 1}: {name:>9}, {competitors} competitor(s): {rates} tok/s", flush=True)
     report = {"cores": CORES, "batches": args.batches, "tokens": args.tokens, "rounds": args.rounds}
     first = next(iter(checks.values()))["tokens"]
     report.update(note=args.note, load_average=os.getloadavg(), results=results)
     report["threads"] = {name: c["threads"] for name, c in checks.items()}
+    report["openmp"] = {name: c["openmp"] for name, c in checks.items()}
     report["settings_changing_greedy_tokens"] = [name for name, c in checks.items() if c["tokens"] != first]
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "serve_threads_smoke" if args.smoke else "serve_threads"

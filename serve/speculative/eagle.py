@@ -55,16 +55,15 @@ class _Rows:
     context (cache, then earlier draft rows) where `mask` says, and records the new K/V."""
 
     def __init__(self, ctx_k: torch.Tensor, ctx_v: torch.Tensor, mask: torch.Tensor):
-        self.ctx_k, self.ctx_v, self.mask = ctx_k, ctx_v, mask  # [B, C, Hkv, D] x2, [B, N, C + N]
+        self.ctx_k, self.ctx_v = ctx_k, ctx_v  # [B, C, Hkv, D]
+        self.mask = None if mask is None else mask[:, None]  # [B, N, C + N] (None: every row sees all)
         self.k = self.v = None
 
     def __call__(self, q, k, v, layer):
         self.k, self.v = k, v
         keys, vals = torch.cat([self.ctx_k, k], 1), torch.cat([self.ctx_v, v], 1)
         q, keys, vals = (t.transpose(1, 2) for t in (q, keys, vals))
-        out = F.scaled_dot_product_attention(
-            q, keys, vals, attn_mask=self.mask[:, None], scale=layer.scaling, enable_gqa=True
-        )
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=self.mask, scale=layer.scaling, enable_gqa=True)
         return out.transpose(1, 2)
 
 
@@ -134,6 +133,13 @@ class EagleProposer(Proposer):
         """items: per sequence (context K, context V, visibility [n, C] of the context per new
         row, feats [n, H], next tokens [n], positions [n], causal among the new rows?). Returns
         the new rows' outputs [B, N, H]; self._new_kv holds their K/V [B, N, Hkv, D]."""
+        if len(items) == 1 and items[0][3].shape[0] == 1 and bool(items[0][2].all()):
+            # one row seeing its whole context (a chain at batch 1): no padding, no mask
+            ck, cv, _, feats, toks, pos, _ = items[0]
+            attn = _Rows(ck[None], cv[None], None)
+            out = self.head(feats[None], toks[None], pos[None], attn)
+            self._new_kv = (attn.k, attn.v)
+            return out
         n = max(it[3].shape[0] for it in items)
         c = max(it[0].shape[0] for it in items)
         mask = torch.zeros(len(items), n, c + n, dtype=torch.bool)

@@ -13,6 +13,7 @@ from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import build_model
 from baton.common.tokenizer import train_char
 from baton.train.config import config_from_dict, load_recipe
+from baton.train.eagle import EagleTrainConfig
 from baton.train.medusa import MedusaTrainConfig
 
 from .conftest import TINY
@@ -149,7 +150,7 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
         recipe_file = tmp_path / recipe_file.name
         recipe_file.write_text(text.replace("runs/demo/", f"{tmp_path / 'demo'}/"))
     cfg = load_recipe(recipe_file)
-    if isinstance(cfg, MedusaTrainConfig):  # Medusa heads for a frozen model, checked on construction
+    if isinstance(cfg, (MedusaTrainConfig, EagleTrainConfig)):  # heads for a frozen model, checked on construction
         demo = tmp_path / "demo"  # the heads train on what `baton distill` wrote
         assert (cfg.base, cfg.data.path) == (str(demo / "handoff"), str(demo / "distill.jsonl"))
         return

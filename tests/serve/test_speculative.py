@@ -56,7 +56,7 @@ def agreeing_eagle(target, steps: int = 120) -> EagleHead:
     from baton.train.eagle import eagle_loss, prompt_starts, target_outputs
 
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, CFG["vocab_size"], (16, 8), generator=g)
+    prompts = torch.randint(0, target.config.vocab_size, (16, 8), generator=g)
     data = torch.cat([prompts, greedy_generate(target, prompts, 40)], 1)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig(target.config.to_dict()))

@@ -46,3 +46,33 @@ def test_speculative_tree_on_tensor_parallel_model(model_dir, group):  # noqa: F
         stats = llm.engine.speculative.stats
     assert got == want
     assert stats == single.speculative.stats
+
+
+@pytest.mark.slow
+def test_eagle_on_tensor_parallel_model(model_dir, tmp_path):  # noqa: F811
+    """EAGLE under T=2: the head runs on the driver from the final hidden states the last stage
+    returns, its norm and LM head read from the checkpoint (the driver holds no model). Greedy
+    outputs are plain decoding's; the head drafts from states the ranks all-reduced, so its
+    proposals may differ from the single process's by rounding (acceptance is checked, not equated)."""
+    import shutil
+
+    from baton.common.checkpoint import load_checkpoint
+    from baton.common.eagle import save_eagle
+
+    from ..test_speculative import agreeing_eagle
+
+    shutil.copytree(model_dir / "target", tmp_path / "target")
+    save_eagle(agreeing_eagle(load_checkpoint(tmp_path / "target").model, steps=60), tmp_path / "target")
+    plain = LLMEngine.from_checkpoint(tmp_path / "target", EngineConfig(num_kv_blocks=96, block_size=8))
+    workload = _plain(plain.vocab_size, (LOOP,))
+    want = tokens(drive(plain, workload))
+    spec = SpeculativeConfig("eagle", 3, tree_width=2, tree_nodes=5)
+    cfg = EngineConfig(
+        num_kv_blocks=40, block_size=8, speculative=spec, scheduler=SchedulerConfig(max_num_batched_tokens=32)
+    )
+    with sharded(tmp_path / "target", cfg, "T2") as llm:
+        got = tokens(drive(llm.engine, workload))
+        check_really_sharded(llm.engine, "T2", weight_bytes(plain.model))
+        stats = llm.engine.speculative.stats
+    assert got == want
+    assert stats.accepted > 0 and stats.accepted_by_depth[1] > 0, stats

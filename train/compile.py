@@ -36,7 +36,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from baton.common.model import DecoderLayer
+from baton.common.model import DecoderLayer, HybridDecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,9 @@ def _is_checkpointed(forward) -> bool:
 
 
 def compile_layers(module: nn.Module, backend: str = "inductor") -> int:
-    """Compile the forward of every DecoderLayer under `module` in place; returns how many."""
-    layers = [m for m in module.modules() if isinstance(m, DecoderLayer)]
+    """Compile the forward of every decoder layer under `module` in place; returns how many. (A
+    hybrid's mixer and attention layers are two graphs.)"""
+    layers = [m for m in module.modules() if isinstance(m, (DecoderLayer, HybridDecoderLayer))]
     for layer in layers:
         forward = layer.forward
         sharded = any(isinstance(p, DTensor) for p in layer.parameters())  # tensor parallel (FSDP2 comes after)

@@ -23,6 +23,7 @@ from baton.train.attention import check_attention
 from baton.train.deepspeed_config import check_ds_config, check_zero
 from baton.train.distributed import read_launch
 from baton.train.early_exit import EarlyExitConfig
+from baton.train.hybrid import check_recipe as check_hybrid
 from baton.train.parallel.layout import ParallelConfig, check_layout, data_parallel_rank, data_parallel_size
 
 BACKENDS = ("torch", "deepspeed", "torch3d", "megatron")
@@ -224,6 +225,7 @@ class TrainConfig:
         self._validate_init_from(need)
         self._validate_early_exit(need)
         self._validate_model(need)
+        check_hybrid(need, self, self.model_config(vocab_size=self.model.get("vocab_size", 1024)).is_hybrid)
         self._validate_precision(need)
         self._validate_compute(need)
         self._validate_backend(need, data_parallel_size)

@@ -64,9 +64,11 @@ def active_parameters(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (PaLM appendix B): 6 x matmul parameters + 12 x layers x
     attention width x sequence length. The embedding lookup is not a matmul; the LM head is; a
-    MoE layer counts its router and top-k experts (what a token runs through)."""
+    MoE layer counts its router and top-k experts (what a token runs through); a hybrid's attention
+    term counts its attention layers only (a mixer's scan is not counted: a lower bound)."""
     matmul_params = active_parameters(cfg) - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
-    attn = 12 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * seq_len
+    n_attn = sum(cfg.is_attention_layer(i) for i in range(cfg.num_hidden_layers))
+    attn = 12 * n_attn * cfg.num_attention_heads * cfg.head_dim * seq_len
     return 6.0 * matmul_params + attn
 
 

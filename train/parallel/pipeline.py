@@ -36,8 +36,10 @@ class ModelChunk(nn.Module):
         if first:
             self.model.embed_tokens = model.model.embed_tokens
         self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
+        # The final norm under the model's own name (Bamba's is final_layernorm), so names match.
+        self.norm_name = "final_layernorm" if hasattr(model.model, "final_layernorm") else "norm"
         if last:
-            self.model.norm = model.model.norm
+            setattr(self.model, self.norm_name, model.model.final_norm)
             self.lm_head = model.lm_head
         self.has_embedding, self.has_head = first, last
         self.tied = model.config.tie_word_embeddings
@@ -52,7 +54,7 @@ class ModelChunk(nn.Module):
         positions = self.positions.to(x.device).expand(x.shape[0], -1)
         x = run_layers(self.model.layers.values(), x, positions, self.inv_freq, self.attn)
         if self.has_head:
-            x = self.lm_head(self.model.norm(x))
+            x = self.lm_head(getattr(self.model, self.norm_name)(x))
         return x
 
 

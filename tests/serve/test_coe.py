@@ -308,3 +308,30 @@ def test_bad_coe_files_fail_before_a_port_binds(coe, capsys):
     ):
         assert baton([*good, *flags]) != 0
         assert message in capsys.readouterr().err
+
+
+def test_the_shipped_coe_file_loads(coe, tmp_path):
+    """configs/coe.yaml with its runs/ checkpoints and router replaced by stand-ins: names, fallback,
+    threshold and the stated/split KV shares come out as the file says."""
+    import shutil
+
+    shipped = Path(__file__).resolve().parents[2] / "configs" / "coe.yaml"
+    router = tmp_path / "router"
+    shutil.copytree(coe["tmp"] / "router", router)
+    rc = json.loads((router / "router_config.json").read_text())
+    rc["experts"] = ["docs", "poet"]  # the shipped router's labels
+    (router / "router_config.json").write_text(json.dumps(rc))
+    stand_ins = {
+        "runs/demo/handoff": coe["experts"]["generalist"],
+        "runs/tinyshakespeare/handoff": coe["experts"]["poet"],
+        "runs/demo-draft/handoff": coe["experts"]["coder"],
+        "runs/router": router,
+    }
+    text = shipped.read_text()
+    for old, new in stand_ins.items():
+        text = text.replace(old, str(new))
+    (tmp_path / "coe.yaml").write_text(text)
+    cfg = load_coe_config(tmp_path / "coe.yaml", None)
+    assert (cfg.name, cfg.fallback, [e.name for e in cfg.experts]) == ("coe", "docs", ["docs", "poet", "small"])
+    assert cfg.router.threshold == 0.7 and cfg.experts[2].kv_cache_bytes == 32 * 2**20
+    assert sum(e.kv_cache_bytes for e in cfg.experts) <= cfg.kv_cache_bytes == 256 * 2**20

@@ -15,6 +15,7 @@ from baton.common.tokenizer import train_char
 from baton.train.config import config_from_dict, load_recipe
 from baton.train.eagle import EagleTrainConfig
 from baton.train.medusa import MedusaTrainConfig
+from baton.train.router import RouterTrainConfig
 
 from .conftest import TINY
 
@@ -128,6 +129,8 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
     monkeypatch.chdir(recipe_file.parents[1])  # data paths are relative to the repository root
     shakespeare = recipe_file.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
     text = recipe_file.read_text()
+    if "experts" in yaml.safe_load(text):
+        pytest.skip("a `baton serve --coe` file, not a training recipe: tests/serve/test_coe.py loads it")
     if "tinyshakespeare" in text and not shakespeare.is_file():
         pytest.skip("../shared/data/tinyshakespeare.txt is not here")
     if "runs/demo/" in text:  # a recipe for the demo model (after `baton demo`, `baton distill`): stand-ins
@@ -147,12 +150,20 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
         )
         shutil.copytree(tmp_path / "demo" / "handoff", tmp_path / "demo" / "pruned")  # `baton prune`'s output
         (tmp_path / "demo" / "distill.jsonl").write_text('{"text": "a stand-in continuation"}\n')
+        (tmp_path / "router").mkdir()  # what `benchmarks/coe.py --write-prompts` writes for the router recipe
+        (tmp_path / "router" / "prompts.jsonl").write_text(
+            '{"text": "a stand-in prompt", "expert": "docs"}\n{"text": "another", "expert": "poet"}\n'
+        )
+        text = text.replace("runs/demo/", f"{tmp_path / 'demo'}/").replace("runs/router", str(tmp_path / "router"))
         recipe_file = tmp_path / recipe_file.name
-        recipe_file.write_text(text.replace("runs/demo/", f"{tmp_path / 'demo'}/"))
+        recipe_file.write_text(text)
     cfg = load_recipe(recipe_file)
     if isinstance(cfg, (MedusaTrainConfig, EagleTrainConfig)):  # heads for a frozen model, checked on construction
         demo = tmp_path / "demo"  # the heads train on what `baton distill` wrote
         assert (cfg.base, cfg.data.path) == (str(demo / "handoff"), str(demo / "distill.jsonl"))
+        return
+    if isinstance(cfg, RouterTrainConfig):  # a router over the frozen demo model, checked on construction
+        assert (cfg.base, cfg.data) == (str(tmp_path / "demo" / "handoff"), str(tmp_path / "router" / "prompts.jsonl"))
         return
     cfg.validate(data_parallel_size=1)
     if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks

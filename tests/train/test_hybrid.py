@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
+import torch._dynamo.utils
 import yaml
 
 from baton.common.checkpoint import load_checkpoint, read_config
-from baton.common.config import ConfigError
-from baton.common.model import CausalLM, greedy_generate
+from baton.common.config import ConfigError, ModelConfig
+from baton.common.model import CausalLM, build_model, greedy_generate
 from baton.serve.engine import EngineConfig
 from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
+from baton.train.backends import lm_loss
+from baton.train.compile import compile_layers
 from baton.train.config import config_from_dict
 from baton.train.trainer import train
 
@@ -131,3 +135,28 @@ def test_handoff_serves_the_trained_models_greedy_tokens(single):
     served = load_checkpoint(single / "handoff").model  # the handoff holds the trained weights themselves
     ids = torch.tensor([prompts[1]])
     torch.testing.assert_close(served(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_hybrid_layers_give_the_eager_loss_and_gradients():
+    """compile: true on a hybrid: every layer compiled, one graph per layer kind (mixer, attention)."""
+    cfg = ModelConfig(vocab_size=64, **BAMBA)
+    batch = torch.randint(0, 64, (2, 33), generator=torch.Generator().manual_seed(0))
+
+    def grads(backend: str | None):
+        model = build_model(cfg, seed=0)
+        if backend is not None:
+            assert compile_layers(model, backend) == cfg.num_hidden_layers
+        for _ in range(2):  # the second pass runs the cached graphs
+            model.zero_grad()
+            loss = lm_loss(model(batch[:, :-1]), batch)
+            loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    want_loss, want = grads(None)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got_loss, got = grads("aot_eager")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    torch.testing.assert_close(got_loss, want_loss)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)

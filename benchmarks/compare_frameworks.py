@@ -20,7 +20,7 @@ workload throughput (output tokens/s, best timed run, after a warm-up run), batc
 Baton's request by request.
 
 llama.cpp is not a Baton dependency: --llamacpp-venv (default ~/.cache/baton/llamacpp-venv) is
-built on demand from the llama-cpp-python sdist (a CPU build, 2 jobs; minutes). If it cannot be
+built on demand from the llama-cpp-python sdist (a CPU build, 2 jobs; minutes; compare_llamacpp.py). If it cannot be
 built, the JSON and the table say why and the other sides still run.
 
     .venv/bin/python benchmarks/compare_frameworks.py [--models 25M] [--dtypes fp32 bf16]
@@ -39,12 +39,12 @@ import random
 import resource
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_llamacpp import LLAMACPP_VERSION, ensure_llamacpp, load_llamacpp, to_gguf
 from serve_vs_vllm import (  # the script dir is on sys.path
     KV_GIB,
     LIMITS,
@@ -58,12 +58,6 @@ from serve_vs_vllm import (  # the script dir is on sys.path
     write_checkpoint,
 )
 
-LLAMACPP_VERSION = "0.3.36"
-LLAMACPP_CMAKE = (
-    "-DLLAVA_BUILD=OFF -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_BUILD_TESTS=OFF "
-    "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
-)
-GGUF_TYPE = {"fp32": "f32", "bf16": "bf16"}
 LATENCY_PROMPT = 128
 
 
@@ -134,27 +128,6 @@ def load_hf(job: dict):
     return generate
 
 
-def load_llamacpp(job: dict):
-    from llama_cpp import Llama
-
-    cores = os.cpu_count() or 1
-    llm = Llama(model_path=job["gguf"], n_ctx=MAX_LEN, n_threads=cores, n_threads_batch=cores, seed=0, verbose=False)
-
-    def generate(work):
-        outs = []
-        for prompt, n in work:
-            llm.reset()  # no KV reuse from the previous request (Llama.generate matches prefixes)
-            tokens = []
-            for token in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0):
-                tokens.append(token)
-                if len(tokens) == n:
-                    break
-            outs.append(tokens)
-        return outs
-
-    return generate
-
-
 LOADERS = {"baton": load_baton, "vllm": load_vllm, "hf": load_hf, "hf-b1": load_hf, "llama.cpp": load_llamacpp}
 
 
@@ -185,73 +158,7 @@ def driver_main(side: str, job_file: str, out_file: str) -> None:
     Path(out_file).write_text(json.dumps(out))
 
 
-def convert_main(ckpt: str, out: str, outtype: str, src: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on the checkpoint. It has no tokenizer (token ids in, ids
-    out), so the vocabulary written is a placeholder SentencePiece one of VOCAB entries."""
-    root = Path(src) / "vendor" / "llama.cpp"
-    sys.path[:0] = [str(root / "gguf-py"), str(root)]
-    import convert_hf_to_gguf
-    import gguf
-    from conversion.llama import LlamaModel
-
-    def set_vocab(self) -> None:
-        t = gguf.TokenType
-        tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-        types = [t.UNKNOWN, t.CONTROL, t.CONTROL] + [t.BYTE] * 256
-        tokens += [f"<t{i}>" for i in range(len(tokens), VOCAB)]
-        types += [t.NORMAL] * (VOCAB - len(types))
-        self.gguf_writer.add_tokenizer_model("llama")
-        self.gguf_writer.add_tokenizer_pre("default")
-        self.gguf_writer.add_token_list(tokens)
-        self.gguf_writer.add_token_scores([0.0] * VOCAB)
-        self.gguf_writer.add_token_types(types)
-
-    LlamaModel.set_vocab = set_vocab
-    sys.argv = ["convert_hf_to_gguf.py", ckpt, "--outfile", out, "--outtype", outtype]
-    convert_hf_to_gguf.main()
-
-
 # ---------------------------------------------------------------------------------- parent side
-def ensure_llamacpp(venv: Path) -> tuple[Path, Path]:
-    """(the venv's python, the unpacked sdist whose vendored llama.cpp has the GGUF converter)."""
-    cache = venv.parent
-    sdist = cache / f"llama_cpp_python-{LLAMACPP_VERSION}.tar.gz"
-    src = cache / f"llama_cpp_python-{LLAMACPP_VERSION}"
-    if not sdist.exists():
-        dl = ["pip", "download", "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMACPP_VERSION}"]
-        subprocess.run([sys.executable, "-m", *dl, "-d", str(cache)], check=True, capture_output=True)
-    if not (src / "vendor" / "llama.cpp" / "convert_hf_to_gguf.py").exists():
-        with tarfile.open(sdist) as tar:
-            tar.extractall(cache, filter="data")
-    python = venv / "bin" / "python"
-    check = [str(python), "-c", f"import llama_cpp, sys; sys.exit(llama_cpp.__version__ != {LLAMACPP_VERSION!r})"]
-    if python.exists() and subprocess.run(check, capture_output=True, check=False).returncode == 0:
-        return python, src
-    log = cache / "llamacpp-build.log"
-    print(f"building llama-cpp-python {LLAMACPP_VERSION} into {venv} (CPU, 2 jobs; log {log})", flush=True)
-    subprocess.run(["python3", "-m", "venv", str(venv)], check=True)
-    env = dict(os.environ, CMAKE_ARGS=LLAMACPP_CMAKE, CMAKE_BUILD_PARALLEL_LEVEL="2")
-    with log.open("w") as f:
-        for pkgs in (["numpy"], [str(sdist)]):
-            proc = subprocess.run(
-                [str(python), "-m", "pip", "install", "-v", *pkgs], env=env, stdout=f, stderr=f, check=False
-            )
-            if proc.returncode != 0:
-                raise RuntimeError(f"pip install {pkgs[0]} failed (exit {proc.returncode}); see {log}")
-    subprocess.run(check, check=True)
-    return python, src
-
-
-def to_gguf(ckpt: Path, dtype: str, src: Path) -> Path:
-    out = ckpt.parent / f"{ckpt.name}.{GGUF_TYPE[dtype]}.gguf"
-    if not out.exists():
-        cmd = [sys.executable, __file__, "--convert", str(ckpt), str(out), GGUF_TYPE[dtype], str(src)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if proc.returncode != 0:
-            raise RuntimeError(f"GGUF conversion failed:\n{proc.stderr[-3000:]}")
-    return out
-
-
 def tree_rss(proc) -> int:
     import psutil
 
@@ -262,13 +169,25 @@ def tree_rss(proc) -> int:
         return 0
 
 
+def side_env(threads: int) -> dict[str, str]:
+    """serve_vs_vllm's environment (OpenMP threads on every core, vLLM bound to them); with fewer
+    threads than cores no side is pinned (vLLM's "nobind"), so the OS may move each off a busy core."""
+    env = thread_env()
+    if threads < (os.cpu_count() or 1):
+        env.update(OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND="nobind")
+    return env
+
+
 def run_side(side: str, python: str, job: dict, tmp: Path) -> dict:
     job_file, out_file = tmp / "job.json", tmp / "side.out.json"
     job_file.write_text(json.dumps(job))
     log = (tmp / "side.log").open("w+")
     t0 = time.time()
     proc = subprocess.Popen(
-        [python, __file__, "--driver", side, str(job_file), str(out_file)], env=thread_env(), stdout=log, stderr=log
+        [python, __file__, "--driver", side, str(job_file), str(out_file)],
+        env=side_env(job["threads"]),
+        stdout=log,
+        stderr=log,
     )
     peak = 0
     while proc.poll() is None:
@@ -292,6 +211,16 @@ def summarise(runs: list[dict]) -> dict:
         "peak_rss_mib": min(r["peak_rss_mib"] for r in runs),
         "startup_s": min(r["startup_s"] for r in runs),
     }
+
+
+def first_differences(outs: list[list[int]], ref: list[list[int]]) -> list[list[int]]:
+    """[request, first differing token, its length] for each request whose tokens differ from ref's:
+    a late first difference after equal tokens is a near-tie of the random weights, not a bug."""
+    return [
+        [i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))), len(a)]
+        for i, (a, b) in enumerate(zip(outs, ref))
+        if a != b
+    ]
 
 
 COLUMNS = ("tok/s", "batch-1 ms/token", "TTFT ms", "peak RSS MiB", "start-up s", "fp32 = Baton")
@@ -333,7 +262,7 @@ def plot(results: dict, path: Path) -> None:
         ax.set_title(title)
     axes[0].legend()
     fig.suptitle(
-        f"Baton vs vLLM {VLLM_VERSION} CPU, HF transformers, llama.cpp; {os.cpu_count()} cores ({results['note']})"
+        f"Baton vs vLLM {VLLM_VERSION} CPU, HF transformers, llama.cpp; {results['threads']} threads a side on {os.cpu_count()} cores ({results['note']})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -348,6 +277,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32, help="N of the batch-1 decode latency")
     ap.add_argument("--hf-batch", type=int, default=16, help="requests per static batch on the hf side")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP / llama.cpp threads per side")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
@@ -356,12 +286,9 @@ def main() -> None:
     ap.add_argument("--note", default="shared machine, under load")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--driver", nargs=3, help=argparse.SUPPRESS)
-    ap.add_argument("--convert", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
         return driver_main(*args.driver)
-    if args.convert:
-        return convert_main(*args.convert)
     if args.smoke:
         args.models, args.dtypes, args.rounds, args.repeats, args.no_vllm, args.no_llamacpp = (
             ["tiny"],
@@ -376,7 +303,13 @@ def main() -> None:
     if not args.no_vllm:
         sides["vllm"] = str(ensure_vllm_venv(args.vllm_venv))
     sides.update({"hf": sys.executable, "hf-b1": sys.executable})
-    results = {"note": args.note, "vllm": VLLM_VERSION, "llamacpp": "not requested (--no-llamacpp)", "cells": {}}
+    results = {
+        "note": args.note,
+        "threads": args.threads,
+        "vllm": VLLM_VERSION,
+        "llamacpp": "not requested (--no-llamacpp)",
+        "cells": {},
+    }
     src = None
     if not args.no_llamacpp:
         try:
@@ -400,6 +333,7 @@ def main() -> None:
                     "workload": work,
                     "repeats": args.repeats,
                     "decode_tokens": args.decode_tokens,
+                    "threads": args.threads,
                 }
                 if "llama.cpp" in sides:
                     job["gguf"] = str(to_gguf(ckpt, dtype, src))
@@ -413,11 +347,17 @@ def main() -> None:
                 for rs in runs.values():
                     for r in rs:
                         r.pop("outputs")
-                cell = {"runs": runs, "summary": {s: summarise(rs) for s, rs in runs.items()}, "agreement": {}}
+                cell = {
+                    "runs": runs,
+                    "summary": {s: summarise(rs) for s, rs in runs.items()},
+                    "agreement": {},
+                    "first_difference": {},
+                }
                 if dtype == "fp32":
                     for side in [s for s in sides if s != "baton"]:
                         same = sum(a == b for a, b in zip(outputs[side], outputs["baton"]))
                         cell["agreement"][side] = f"{same}/{len(work)}"
+                        cell["first_difference"][side] = first_differences(outputs[side], outputs["baton"])
                 results["cells"][f"{name} {dtype}"] = cell
                 results["table"] = table(results)  # after every cell: a run killed midway keeps what it measured
                 (args.out / "compare_frameworks.json").write_text(json.dumps(results, indent=1))

@@ -95,9 +95,10 @@ def run_one(model_dir: Path, env: dict[str, str], job: argparse.Namespace, compe
         batches = ",".join(map(str, job.batches))
         cmd = [sys.executable, __file__, "--measure", str(model_dir), batches, str(job.tokens)]
         alone = job.alone_realtime and competitors == 0
+        inherited = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         proc = subprocess.run(
             cmd,
-            env={**os.environ, **env},
+            env={**inherited, **env},
             capture_output=True,
             text=True,
             check=True,

@@ -11,3 +11,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs servers, ranks and the test process side by side on few cores, where OpenMP
+# threads spinning at barriers stall each other by 10x and more (benchmarks/serve_threads.py):
+# sleep instead. Speed only - no result depends on it; tests/serve/test_openmp.py clears it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -28,15 +28,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-
 from baton.common.checkpoint import load_checkpoint
-from baton.common.config import ConfigError
 from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.common.eagle import EagleConfig, EagleHead, features, save_eagle
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
+from baton.train.base_recipe import check_base, recipe_from_dict
 from baton.train.schedule import warmup_cosine
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +54,7 @@ class EagleTrainConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        if not (Path(self.base) / "config.json").is_file():
-            raise ValueError(f"eagle.base {self.base} is not a checkpoint directory (no config.json)")
-        if not (Path(self.base) / "tokenizer.json").is_file():
-            raise ValueError(f"eagle.base {self.base} has no tokenizer.json: the head trains on its tokens")
+        check_base("eagle", self.base, "the head trains on its tokens")
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0 or self.warmup_steps < 0:
             raise ValueError("eagle needs steps >= 1, batch_size >= 1, lr > 0 and warmup_steps >= 0")
         if self.feature_weight < 0 or self.token_weight < 0 or self.feature_weight + self.token_weight == 0:
@@ -71,17 +67,7 @@ class EagleTrainConfig:
 
 def eagle_config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> EagleTrainConfig:
     """A `baton train` recipe {eagle: {base: ..., steps: ...}, data: {...}}, checked up front."""
-    from baton.train.config import _build, apply_overrides
-
-    raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"eagle", "data"})
-    if unknown:
-        raise ConfigError(f"unknown key(s) in an EAGLE recipe: {', '.join(unknown)} (known: data, eagle)")
-    try:
-        data = _build(DataConfig, raw.get("data") or {}, "data")
-        return _build(EagleTrainConfig, {**(raw["eagle"] or {}), "data": data}, "eagle")
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"invalid EAGLE recipe: {e}") from e
+    return recipe_from_dict(raw, overrides, "eagle", EagleTrainConfig, "an EAGLE")
 
 
 @torch.no_grad()

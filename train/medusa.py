@@ -19,14 +19,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-
 from baton.common.checkpoint import load_checkpoint
-from baton.common.config import ConfigError
+from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.tokenizer import Tokenizer
-from baton.common.data import DataConfig, build_datasets, torch_loader
+from baton.train.base_recipe import check_base, recipe_from_dict
 from baton.train.schedule import warmup_cosine
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +44,7 @@ class MedusaTrainConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        if not (Path(self.base) / "config.json").is_file():
-            raise ValueError(f"medusa.base {self.base} is not a checkpoint directory (no config.json)")
-        if not (Path(self.base) / "tokenizer.json").is_file():
-            raise ValueError(f"medusa.base {self.base} has no tokenizer.json: the heads train on its tokens")
+        check_base("medusa", self.base, "the heads train on its tokens")
         if self.num_heads < 1 or self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
             raise ValueError("medusa needs num_heads >= 1, steps >= 1, batch_size >= 1 and lr > 0")
         if self.data.seq_len <= self.num_heads + 1:
@@ -57,17 +53,7 @@ class MedusaTrainConfig:
 
 def medusa_config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> MedusaTrainConfig:
     """A `baton train` recipe {medusa: {base: ..., num_heads: ...}, data: {...}}, checked up front."""
-    from baton.train.config import _build, apply_overrides
-
-    raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"medusa", "data"})
-    if unknown:
-        raise ConfigError(f"unknown key(s) in a Medusa recipe: {', '.join(unknown)} (known: data, medusa)")
-    try:
-        data = _build(DataConfig, raw.get("data") or {}, "data")
-        return _build(MedusaTrainConfig, {**(raw["medusa"] or {}), "data": data}, "medusa")
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"invalid Medusa recipe: {e}") from e
+    return recipe_from_dict(raw, overrides, "medusa", MedusaTrainConfig, "a Medusa")
 
 
 def medusa_loss(

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-from baton.common.config import ConfigError
 from baton.common.router import KINDS, RouterConfig, RouterHead, embed, load_base, save_router
+from baton.train.base_recipe import check_base, recipe_from_dict
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +58,7 @@ class RouterTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (Path(self.base) / "config.json").is_file():
-            raise ValueError(f"router.base {self.base} is not a checkpoint directory (no config.json)")
-        if not (Path(self.base) / "tokenizer.json").is_file():
-            raise ValueError(f"router.base {self.base} has no tokenizer.json: the router embeds text with it")
+        check_base("router", self.base, "the router embeds text with it")
         for name in ("data", "val_path"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
@@ -78,16 +74,7 @@ class RouterTrainConfig:
 
 def router_config_from_dict(raw: dict, overrides: list[str] | tuple[str, ...] = ()) -> RouterTrainConfig:
     """A `baton train` recipe {router: {base, data, out, ...}}, checked before any work."""
-    from baton.train.config import _build, apply_overrides
-
-    raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"router"})
-    if unknown:
-        raise ConfigError(f"unknown key(s) in a router recipe: {', '.join(unknown)} (known: router)")
-    try:
-        return _build(RouterTrainConfig, raw["router"] or {}, "router")
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"invalid router recipe: {e}") from e
+    return recipe_from_dict(raw, overrides, "router", RouterTrainConfig, "a router", data=False)
 
 
 def _split(cfg: RouterTrainConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

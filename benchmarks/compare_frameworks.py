@@ -278,6 +278,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32, help="N of the batch-1 decode latency")
     ap.add_argument("--hf-batch", type=int, default=16, help="requests per static batch on the hf side")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="OpenMP / llama.cpp threads per side")
+    ap.add_argument("--only", nargs="+", choices=list(LOADERS), help="run Baton and just these sides")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--no-llamacpp", action="store_true")
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
@@ -319,6 +320,8 @@ def main() -> None:
         except (RuntimeError, subprocess.CalledProcessError, OSError) as e:
             results["llamacpp"] = f"llama-cpp-python {LLAMACPP_VERSION} did not build here: {e}"
             print(results["llamacpp"], flush=True)
+    if args.only:  # Baton stays: it is every agreement's reference
+        sides = {s: py for s, py in sides.items() if s == "baton" or s in args.only}
     results["sides"] = list(sides)
     work = workload(args.requests)
     args.out.mkdir(parents=True, exist_ok=True)

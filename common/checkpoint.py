@@ -22,17 +22,17 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from baton.common.config import ModelConfig
 from baton.common.hf import config_from_hf, config_to_hf
 from baton.common.model import CausalLM
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +162,25 @@ def write_weights(directory: Path, state_dict: dict[str, torch.Tensor], max_shar
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     return names + [INDEX_FILE]
+
+
+def save_beside(
+    directory: str | Path, module: torch.nn.Module, config: Any, weights_file: str, config_file: str
+) -> None:
+    """A small trained module kept beside a checkpoint (Medusa heads, an EAGLE head, a router):
+    weights first, config (a dataclass) last, each via a temporary file and rename - a crash leaves
+    the previous module or none readable, never a config pointing at half-written weights."""
+    from dataclasses import asdict
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".{weights_file}.tmp"
+    weights = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    save_file(weights, tmp, metadata={"format": "pt"})
+    os.replace(tmp, d / weights_file)
+    tmp = d / f".{config_file}.tmp"
+    tmp.write_text(json.dumps(asdict(config), indent=2) + "\n")
+    os.replace(tmp, d / config_file)
 
 
 def save_checkpoint(

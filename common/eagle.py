@@ -18,18 +18,17 @@ LM head are the target's (attached, never stored twice).
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch import nn
-
+from baton.common.checkpoint import save_beside
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import AttentionBackend, DecoderLayer, DenseCausalAttention, RMSNorm
 from baton.common.rope import inv_frequencies, rotary_cos_sin
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
 
 CONFIG_FILE = "eagle_config.json"
 WEIGHTS_FILE = "eagle.safetensors"
@@ -91,15 +90,8 @@ class EagleHead(nn.Module):
 
 
 def save_eagle(head: EagleHead, directory: str | Path) -> None:
-    """Weights first, config last, each via a temporary file and rename: a crash leaves either the
-    previous head or none readable, never a config pointing at half-written weights."""
-    d = Path(directory)
-    tmp = d / f".{WEIGHTS_FILE}.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, d / WEIGHTS_FILE)
-    tmp = d / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(asdict(head.config), indent=2) + "\n")
-    os.replace(tmp, d / CONFIG_FILE)
+    """Weights first, config last, each via a temporary file and rename (common/checkpoint.py)."""
+    save_beside(directory, head, head.config, WEIGHTS_FILE, CONFIG_FILE)
 
 
 def has_eagle(directory: str | Path) -> bool:

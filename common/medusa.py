@@ -9,13 +9,13 @@ medusa.safetensors + medusa_config.json (transformers ignores both).
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from baton.common.checkpoint import save_beside
+from safetensors.torch import load_file
 from torch import nn
 
 CONFIG_FILE = "medusa_config.json"
@@ -67,15 +67,8 @@ class MedusaHeads(nn.Module):
 
 
 def save_medusa(heads: MedusaHeads, directory: str | Path) -> None:
-    """Weights first, config last, each via a temporary file and rename: a crash leaves either the
-    previous heads or none readable, never a config pointing at half-written weights."""
-    d = Path(directory)
-    tmp = d / f".{WEIGHTS_FILE}.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in heads.state_dict().items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, d / WEIGHTS_FILE)
-    tmp = d / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(asdict(heads.config), indent=2) + "\n")
-    os.replace(tmp, d / CONFIG_FILE)
+    """Weights first, config last, each via a temporary file and rename (common/checkpoint.py)."""
+    save_beside(directory, heads, heads.config, WEIGHTS_FILE, CONFIG_FILE)
 
 
 def load_medusa(

@@ -11,19 +11,17 @@ router.safetensors + router_config.json in its own directory.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-from torch import nn
-
-from baton.common.checkpoint import load_checkpoint
+from baton.common.checkpoint import load_checkpoint, save_beside
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
+from safetensors.torch import load_file
+from torch import nn
 
 CONFIG_FILE = "router_config.json"
 WEIGHTS_FILE = "router.safetensors"
@@ -134,16 +132,9 @@ def load_base(base: str | Path, device: torch.device | str = "cpu") -> tuple[Cau
 
 
 def save_router(head: RouterHead, directory: str | Path) -> Path:
-    """Weights first, config last, each via a temporary file and rename (as save_medusa does)."""
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{WEIGHTS_FILE}.tmp"
-    save_file({k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}, tmp, metadata={"format": "pt"})
-    os.replace(tmp, d / WEIGHTS_FILE)
-    tmp = d / f".{CONFIG_FILE}.tmp"
-    tmp.write_text(json.dumps(asdict(head.config), indent=2) + "\n")
-    os.replace(tmp, d / CONFIG_FILE)
-    return d
+    """Weights first, config last, each via a temporary file and rename (common/checkpoint.py)."""
+    save_beside(directory, head, head.config, WEIGHTS_FILE, CONFIG_FILE)
+    return Path(directory)
 
 
 def read_router_config(directory: str | Path) -> RouterConfig:

@@ -78,12 +78,24 @@ def rms_norm_triton(x, weight, eps=1e-6, residual=None):
     return out if residual is None else (out, res_out.view(x.shape))
 
 
+def _cpu_rows(t):
+    """t itself when its leading dims collapse into one row stride (what the C++ kernel walks, e.g.
+    a decode batch's rows), else a contiguous copy (a slice such as feats[:, 1:])."""
+    if t.stride(-1) == 1:
+        try:
+            t.view(-1, t.shape[-1])
+            return t
+        except RuntimeError:
+            pass
+    return t.contiguous()
+
+
 def rms_norm(x, weight, eps=1e-6, residual=None):
     """RMSNorm over the last dim; with residual returns (norm(x + residual), x + residual)."""
     if use_triton(x, weight) and not needs_grad(x, weight, *([residual] if residual is not None else [])):
         return rms_norm_triton(x, weight, eps, residual)
     cpu = loaded_cpu_kernels(x, weight, *([residual] if residual is not None else []))
     if cpu is not None:  # serving on CPU: one C++ pass (csrc/elementwise_cpu.cpp)
-        out, h = cpu.rms_norm(x, weight, eps, residual)
+        out, h = cpu.rms_norm(_cpu_rows(x), weight, eps, None if residual is None else _cpu_rows(residual))
         return out if residual is None else (out, h)
     return rms_norm_ref(x, weight, eps, residual)

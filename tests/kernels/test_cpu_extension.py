@@ -59,6 +59,13 @@ def test_fused_elementwise_ops_match_the_torch_references(dtype, tokens):
     torch.testing.assert_close(out, want, **tol)
     torch.testing.assert_close(m.rms_norm(x, w, 1e-6)[0], ref.rms_norm_ref(x, w, 1e-6), **tol)
     torch.testing.assert_close(rms_norm(x, w, 1e-6, res)[0], want, **tol)
+    # rows that do not collapse into one stride (a slice of a [B, S, H] batch, a transposed one): the
+    # dispatcher hands the kernel a contiguous copy instead of failing (EAGLE's feats[:, 1:])
+    batch = torch.randn(3, tokens + 1, 96, generator=g).to(dtype)
+    for view in (batch[:, 1:], batch.transpose(0, 1)):
+        torch.testing.assert_close(rms_norm(view, w, 1e-6), ref.rms_norm_ref(view, w, 1e-6), **tol)
+        got, got_h = rms_norm(view, w, 1e-6, view)
+        torch.testing.assert_close(got_h, view + view, **tol)
     qkv = torch.randn(tokens, (4 + 2 * 2) * 32, generator=g).to(dtype)
     q, k = qkv[:, :128].reshape(tokens, 4, 32), qkv[:, 128:192].reshape(tokens, 2, 32)
     cos, sin = (torch.randn(tokens, 32, generator=g).to(dtype) for _ in range(2))

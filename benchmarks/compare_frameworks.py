@@ -284,12 +284,19 @@ def main() -> None:
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
     ap.add_argument("--llamacpp-venv", type=Path, default=Path.home() / ".cache" / "baton" / "llamacpp-venv")
     ap.add_argument("--smoke", action="store_true", help="tiny model, Baton and HF only, 8 requests, fp32")
+    ap.add_argument(
+        "--alone-realtime",
+        action="store_true",
+        help="run everything under SCHED_FIFO (root): every side alone on the cores on a shared machine",
+    )
     ap.add_argument("--note", default="shared machine, under load")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--driver", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
         return driver_main(*args.driver)
+    if args.alone_realtime:  # inherited by every side's processes (serve_vs_vllm.py's flag)
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
     if args.smoke:
         args.models, args.dtypes, args.rounds, args.repeats, args.no_vllm, args.no_llamacpp = (
             ["tiny"],
@@ -306,6 +313,7 @@ def main() -> None:
     sides.update({"hf": sys.executable, "hf-b1": sys.executable})
     results = {
         "note": args.note,
+        "alone_realtime": args.alone_realtime,
         "threads": args.threads,
         "vllm": VLLM_VERSION,
         "llamacpp": "not requested (--no-llamacpp)",

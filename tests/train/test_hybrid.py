@@ -49,9 +49,9 @@ RECIPE = {
 DS = "backend=deepspeed,export=false,deepspeed.stage="
 # One torchrun launch trains every two-rank mode; recomputation must not change a number either.
 MODES = {
-    "ddp-2": "export=false",
+    "ddp-2": "export=false,recompute.mode=full",
     "z2-2": DS + "2,recompute.mode=selective",
-    "z3-2": DS + "3,recompute.mode=full",
+    "z3-2": DS + "3",
     "fsdp-2": "backend=torch3d,export=false,parallel.dp=2",
     "pp-2": "backend=torch3d,export=false,parallel.pp=2",
 }

@@ -40,6 +40,8 @@ def configure(policy: str | None = None) -> str:
     take effect; return (and keep in `decision`) what was done, in words."""
     global _ours, decision
     policy = policy or os.environ.get(ENV) or "auto"
+    if policy not in POLICIES:  # a typo in the environment is named as such, at import
+        raise ValueError(f"{ENV}={policy!r}: the OpenMP wait policy must be one of {', '.join(POLICIES)}")
     user_set = (not _ours and "OMP_WAIT_POLICY" in os.environ) or "GOMP_SPINCOUNT" in os.environ
     if user_set:
         decision = "OpenMP wait policy left as set in the environment"

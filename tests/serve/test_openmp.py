@@ -44,5 +44,13 @@ def test_the_choice_reaches_libgomp_and_a_users_setting_is_left_alone():
     assert spincount(reconfigure.format("spin"), BATON_OMP_WAIT_POLICY="passive") == default
     assert spincount(reconfigure.format("passive"), BATON_OMP_WAIT_POLICY="spin") == 0
     # too late once torch is loaded: said, not pretended
+    bad = subprocess.run(
+        [sys.executable, "-c", "import baton.serve"],
+        env={**os.environ, "BATON_OMP_WAIT_POLICY": "fast"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode != 0 and "BATON_OMP_WAIT_POLICY='fast'" in bad.stderr
     late = "import torch\nfrom baton.serve import openmp\nassert 'cannot take effect' in openmp.configure('passive')"
     assert spincount(late) == default

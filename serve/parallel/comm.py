@@ -72,7 +72,7 @@ def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, 2**31 - 1, None, None, 0)
 
 
-def _running(pid: int) -> bool:
+def pid_running(pid: int) -> bool:
     """Alive, and not a zombie (a killed worker stays one until its parent reaps it)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -139,7 +139,7 @@ class ShmGroup:
                 raise RuntimeError(
                     f"tensor-parallel rank {j} did not reach collective {self.seq} in {self.timeout_s} s"
                 )
-            if not _running(self.pids[j]):
+            if not pid_running(self.pids[j]):
                 raise RuntimeError(f"tensor-parallel rank {j} (pid {self.pids[j]}) exited before collective {self.seq}")
             _futex_wait(addr, seen)
 

@@ -49,7 +49,7 @@ from baton.serve.faults import EngineFault
 from baton.serve.kv_budget import kv_budget_bytes
 from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.common.checkpoint import read_config
-from baton.serve.parallel.comm import ShmGroup, shared_memory_usable
+from baton.serve.parallel.comm import ShmGroup, pid_running, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
@@ -501,14 +501,28 @@ class DistributedRunner:
 
     def _lost(self, reason: str):
         if self.failure is None:
-            if self.procs and all(p.is_alive() for p in self.procs):  # one may be dying still: say which
-                # (returns as soon as one has exited; a SIGKILLed worker's teardown took over 0.5 s on a
-                # loaded CI machine, and the failure then named only the symptom, not the dead worker)
-                mp.connection.wait([p.sentinel for p in self.procs], timeout=5.0)
+            self._await_a_death()
             self.failure = "; ".join(filter(None, (self._dead_workers(), reason, self._worker_errors())))
             log.error("distributed serving is down: %s", self.failure)
         self._kill()
         raise WorkerLost(self.failure)
+
+    def _await_a_death(self) -> None:
+        """One worker may be dying still: wait until it can be reaped, so the failure says which.
+        A SIGKILLed worker's leader thread is a zombie (what the shared-memory waiter sees) long
+        before waitpid can reap it: its other threads tear down first, which took over 5 s on a
+        loaded CI machine, and the failure then named only the symptom, not the dead worker.
+        So 15 s when one is visibly dying, else 5 s for one that may be about to."""
+        dying = any(not pid_running(p.pid) for p in self.procs if p.pid is not None)
+        deadline = time.monotonic() + (15.0 if dying else 5.0)
+        while self.procs and all(p.is_alive() for p in self.procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            # returns once one's threads are all gone; reaping may trail that by a moment
+            if not mp.connection.wait([p.sentinel for p in self.procs], timeout=left):
+                return
+            time.sleep(0.01)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
         if not (ops.swap_out or ops.swap_in or ops.copies or ops.rerotations):

@@ -63,6 +63,11 @@ class ConfidenceExit:
         self.exits: Counter[int] = Counter()
         runner.execute = self.execute
 
+    def stats(self) -> dict[str, list[int]]:
+        """EngineStats' early_exit_* fields: tokens per exit layer, every exit listed, full depth last."""
+        layers = sorted(self.exit_layers) + [len(self.runner.layers)]
+        return {"early_exit_layers": layers, "early_exit_tokens": [self.exits[e] for e in layers]}
+
     def execute(
         self,
         scheduled: list[tuple[Sequence, int]],

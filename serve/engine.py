@@ -366,6 +366,9 @@ class LLMEngine:
             spec_mean_accepted_length=spec.mean_accepted_length,
             spec_proposed_by_depth=list(spec.proposed_by_depth),
             spec_accepted_by_depth=list(spec.accepted_by_depth),
+            spec_method=self.config.speculative.method if self.config.speculative is not None else "none",
+            spec_speedup=spec.speedup,
+            **(self.early_exit.stats() if self.early_exit is not None else {}),
         )
 
     # ------------------------------------------------------------------------------ step
@@ -373,10 +376,12 @@ class LLMEngine:
         """schedule -> execute -> postprocess; a failure is contained as the module docstring says."""
         if self._depth > 1:
             return self._pipelined_step()
-        if self.speculative is not None:
-            self.speculative.propose(self.scheduler.running, self.fault_injector, self._fail_seq)
+        spec, start, generated = self.speculative, time.perf_counter(), self.num_generated_tokens
+        if spec is not None:
+            spec.propose(self.scheduler.running, self.fault_injector, self._fail_seq)
             prune_proposals(self.scheduler.running)  # structured outputs: only proposals the grammar allows
         sched = self.scheduler.schedule()
+        timed = spec.decode_step_kind(sched.scheduled) if spec is not None else None  # the speed-up's clock
         touched: dict[str, RequestState] = {}
         if not sched.scheduled:
             if self.scheduler.has_work() and not sched.preempted:
@@ -384,6 +389,9 @@ class LLMEngine:
         elif (result := self._execute(sched, self.runner.execute)) is not None:
             self.scheduler.postprocess(sched, self._fail_seq)
             touched = self._append_tokens(result)
+            if timed is not None:
+                elapsed, tokens = time.perf_counter() - start, self.num_generated_tokens - generated
+                spec.stats.time_step(len(sched.scheduled), timed, elapsed, tokens)
         return self._outputs(touched)
 
     def _pipelined_step(self) -> list[RequestOutput]:

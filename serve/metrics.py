@@ -51,17 +51,18 @@ class EngineCollector:
                 f"Generated tokens per second over about {self._window_s:g} s",
                 self._tokens_per_s(time.monotonic(), s.generation_tokens),
             ),
-            "baton_spec_acceptance_rate": (
-                "Speculative decoding: accepted / proposed tokens since start",
-                s.spec_acceptance_rate,
-            ),
-            "baton_spec_mean_accepted_length": (
-                "Speculative decoding: tokens gained per verification pass",
-                s.spec_mean_accepted_length,
-            ),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from self._speculative(s)
+        exits = CounterMetricFamily(
+            "baton_early_exit_tokens",
+            "CALM early exit: decode tokens by the layers they ran (the largest: the full depth)",
+            labels=["layers"],
+        )
+        for layers, n in zip(s.early_exit_layers, s.early_exit_tokens):
+            exits.add_metric([str(layers)], n)
+        yield exits
         kv = GaugeMetricFamily("baton_kv_blocks", "KV cache blocks by state", labels=["state"])
         kv.add_metric(["used"], s.kv_blocks_total - s.kv_blocks_free)
         kv.add_metric(["free"], s.kv_blocks_free)
@@ -70,19 +71,39 @@ class EngineCollector:
             "baton_preemptions": ("Sequences preempted for lack of KV blocks", s.preemptions),
             "baton_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens),
             "baton_generation_tokens": ("Tokens generated", s.generation_tokens),
-            "baton_spec_proposed_tokens": ("Speculative decoding: tokens proposed", s.spec_proposed_tokens),
-            "baton_spec_accepted_tokens": (
-                "Speculative decoding: proposed tokens the target accepted",
-                s.spec_accepted_tokens,
-            ),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+
+    @staticmethod
+    def _speculative(s: EngineStats):
+        """The baton_spec_* families, each labelled with the method ("none": speculation is off)."""
+        mode = [s.spec_method]
+        gauges = {
+            "baton_spec_acceptance_rate": ("accepted / proposed tokens since start", s.spec_acceptance_rate),
+            "baton_spec_mean_accepted_length": ("tokens gained per verification pass", s.spec_mean_accepted_length),
+            "baton_spec_speedup": (
+                "decode speed-up measured against plain decode steps of the same batch size (0: not yet)",
+                s.spec_speedup,
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            gauge = GaugeMetricFamily(name, "Speculative decoding: " + doc, labels=["method"])
+            gauge.add_metric(mode, value)
+            yield gauge
+        counters = {
+            "baton_spec_proposed_tokens": ("tokens proposed", s.spec_proposed_tokens),
+            "baton_spec_accepted_tokens": ("proposed tokens the target accepted", s.spec_accepted_tokens),
+        }
+        for name, (doc, value) in counters.items():
+            counter = CounterMetricFamily(name, "Speculative decoding: " + doc, labels=["method"])
+            counter.add_metric(mode, value)
+            yield counter
         for what, counts in (("proposed", s.spec_proposed_by_depth), ("accepted", s.spec_accepted_by_depth)):
             doc = f"Speculative decoding: verification passes that {what} a token this deep"
-            by_depth = CounterMetricFamily(f"baton_spec_{what}_by_depth", doc, labels=["depth"])
+            by_depth = CounterMetricFamily(f"baton_spec_{what}_by_depth", doc, labels=["method", "depth"])
             for d, n in enumerate(counts, start=1):
-                by_depth.add_metric([str(d)], n)
+                by_depth.add_metric([*mode, str(d)], n)
             yield by_depth
 
 

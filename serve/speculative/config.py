@@ -89,6 +89,10 @@ class SpecStats:
     # Per depth d (index d - 1): passes that proposed a token that deep, and passes that accepted one.
     proposed_by_depth: list[int] = field(default_factory=list)
     accepted_by_depth: list[int] = field(default_factory=list)
+    # Decode-only engine steps by the number of sequences in them: [seconds, tokens] of the steps that
+    # verified proposals, and of the plain ones (no sequence had any) - the speed-up compares the two.
+    spec_steps: dict[int, list[float]] = field(default_factory=dict)
+    plain_steps: dict[int, list[float]] = field(default_factory=dict)
 
     def count(self, proposed: int, deepest: int, accepted: int) -> None:
         """One verification pass: `proposed` candidates reaching `deepest`, `accepted` of them kept."""
@@ -99,6 +103,23 @@ class SpecStats:
             counts.extend([0] * (upto - len(counts)))
             for d in range(upto):
                 counts[d] += 1
+
+    def time_step(self, batch: int, speculative: bool, seconds: float, tokens: int) -> None:
+        """One decode-only engine step of `batch` sequences (proposing, the forward, verifying)."""
+        acc = (self.spec_steps if speculative else self.plain_steps).setdefault(batch, [0.0, 0])
+        acc[0] += seconds
+        acc[1] += tokens
+
+    @property
+    def speedup(self) -> float:
+        """Measured speed-up: the time plain decode steps of the same batch size would have taken for
+        the tokens the speculative steps produced, over the time those took. 0 until both kinds have
+        run at some batch size (plain ones come where nothing was proposed: no n-gram match, the last
+        token before max_tokens, disable_above_batch)."""
+        both = [b for b in self.spec_steps if self.plain_steps.get(b, (0, 0))[1] > 0]
+        plain_time = sum(self.spec_steps[b][1] * self.plain_steps[b][0] / self.plain_steps[b][1] for b in both)
+        spec_time = sum(self.spec_steps[b][0] for b in both)
+        return plain_time / spec_time if spec_time > 0 else 0.0
 
     @property
     def acceptance_by_depth(self) -> list[float]:

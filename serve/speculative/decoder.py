@@ -81,6 +81,13 @@ class SpeculativeDecoder:
             propose = lambda b: self.proposer.propose(b, ks) or [None] * len(b)  # noqa: E731
             per_sequence("propose", ready, propose, inject, fail)
 
+    def decode_step_kind(self, scheduled: list[tuple[Sequence, int]]) -> bool | None:
+        """After the schedule, for the speed-up's step timing: None unless every scheduled sequence
+        decodes (a prefill chunk would be in the step's time), else whether any verifies proposals."""
+        if not scheduled or any(s.num_tokens - s.num_computed_tokens != 1 for s, _ in scheduled):
+            return None
+        return any(s.spec_token_ids for s, _ in scheduled)
+
     def verify(
         self, seq: Sequence, logits: torch.Tensor, hidden: torch.Tensor | None, append: Callable[[SampleResult], None]
     ) -> None:

@@ -48,11 +48,14 @@ def offline(
 class ServerThread:
     """A BatonServer on its own event loop thread, so tests can use blocking clients."""
 
-    def __init__(self, model_dir: Path, num_kv_blocks: int = 64, speculative=None, **config):
+    def __init__(self, model_dir: Path, num_kv_blocks: int = 64, speculative=None, engine_extra=None, **config):
+        """`engine_extra`: more EngineConfig fields (e.g. early_exit_threshold); `config`: ServerConfig's."""
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        engine_config = EngineConfig(num_kv_blocks=num_kv_blocks, block_size=8, speculative=speculative)
+        engine_config = EngineConfig(
+            num_kv_blocks=num_kv_blocks, block_size=8, speculative=speculative, **(engine_extra or {})
+        )
         engine = AsyncLLMEngine(LLMEngine.from_checkpoint(model_dir, engine_config))
         config = {"port": 0, "metrics_port": 0, "model_name": "tiny", **config}
         self.server = BatonServer(ServerConfig(model=str(model_dir), **config), engine)

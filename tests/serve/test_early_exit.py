@@ -102,11 +102,18 @@ def checkpoint(tmp_path_factory):
     return d
 
 
-def test_logits_equal_the_token_by_token_reference(checkpoint):
+@pytest.fixture(scope="module")
+def refs(checkpoint):
+    """Mixed-length prompts and the reference's (tokens, log-softmax rows, exits) for each."""
     model = load_checkpoint(checkpoint).model
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist() for n in (3, 21, 9, 12)]
-    refs = [reference(model, p, NEW, THRESHOLD) for p in prompts]
+    return prompts, [reference(model, p, NEW, THRESHOLD) for p in prompts]
+
+
+def test_logits_equal_the_token_by_token_reference(checkpoint, refs):
+    model = load_checkpoint(checkpoint).model
+    prompts, refs = refs
     exits = [e for _, _, ex in refs for e in ex]
     assert {1, 2, 4} <= set(exits), exits  # tokens leave at each exit, and some go the whole depth
 
@@ -137,6 +144,40 @@ def test_logits_equal_the_token_by_token_reference(checkpoint):
     # The fill matters: leaving the skipped layers' K/V out changes later tokens' logits.
     wrong = [reference(model, p, NEW, THRESHOLD, fill="none")[1] for p in prompts]
     assert any(not torch.allclose(a, b, atol=1e-3) for r, w in zip(refs, wrong) for a, b in zip(r[1], w))
+
+
+def test_the_server_reports_the_exits_the_reference_took(checkpoint, refs):
+    """ServerInfo and /metrics count the decode tokens by the depth they ran: the reference's exits."""
+    import urllib.request
+    from collections import Counter
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from baton.serve.client import BatonClient
+
+    from .server_fixtures import ServerThread
+
+    prompts, refs = refs
+    s = ServerThread(checkpoint, engine_extra={"early_exit_threshold": THRESHOLD})
+    try:
+        with BatonClient(s.target, timeout=60) as c:
+            for prompt, (tokens, _, _) in zip(prompts, refs):
+                out = c.complete(prompt, max_tokens=NEW, temperature=0, ignore_eos=True)
+                assert list(out.completions[0].token_ids) == tokens
+            info = c.server_info()
+        url = f"http://127.0.0.1:{s.server.metrics_port}/metrics"
+        fams = {
+            f.name: f for f in text_string_to_metric_families(urllib.request.urlopen(url, timeout=10).read().decode())
+        }
+    finally:
+        s.stop()
+    want = Counter(e for _, _, exits in refs for e in exits)
+    assert list(info.early_exit_layers) == [1, 2, CFG.num_hidden_layers]
+    assert list(info.early_exit_tokens) == [want[1], want[2], want[CFG.num_hidden_layers]]
+    assert sum(info.early_exit_tokens) == len(prompts) * (NEW - 1)  # every fed-back token, none twice
+    on_metrics = {x.labels["layers"]: x.value for x in fams["baton_early_exit_tokens"].samples}
+    assert on_metrics == {str(e): want[e] for e in (1, 2, CFG.num_hidden_layers)}
+    assert info.spec_method == "none" and info.spec_speedup == 0
 
 
 def test_threshold_one_is_full_depth_decoding(checkpoint):

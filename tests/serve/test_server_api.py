@@ -210,7 +210,7 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
     s = ServerThread(llama_dir, speculative=SpeculativeConfig("ngram", num_speculative_tokens=3))
     try:
         with BatonClient(s.target, timeout=60) as c:
-            assert c.model_info().speculative_mode == "ngram k=3"
+            assert c.model_info().speculative_mode == "ngram k=3" and c.server_info().spec_speedup == 0
             for prompt, (ids, text, _) in zip(prompts, ref):
                 msgs = list(c.generate(prompt, max_tokens=30, temperature=0, ignore_eos=True))
                 assert [t for m in msgs for t in m.completions[0].token_ids] == ids
@@ -247,6 +247,16 @@ def test_speculative_server_streams_the_plain_greedy_output(llama_dir):
     )
     accepted = {x.labels["depth"]: x.value for x in fams["baton_spec_accepted_by_depth"].samples}
     assert accepted == {str(d): n for d, n in enumerate(want.accepted_by_depth, start=1)}
+    assert info.spec_method == "ngram" and {
+        x.labels["method"] for f in fams.values() if f.name.startswith("baton_spec_") for x in f.samples
+    } == {"ngram"}
+    # The speed-up: decode steps timed by batch size; one request at a time, so all at batch 1. Every
+    # token after each request's first (sampled by its prefill step) came from a timed decode step,
+    # and the run had steps with no n-gram proposal as well (the baseline), so it was measured.
+    assert set(want.spec_steps) == set(want.plain_steps) == {1}
+    assert want.spec_steps[1][1] + want.plain_steps[1][1] == 2 * (30 - 1)
+    assert info.spec_speedup > 0
+    assert next(x.value for x in fams["baton_spec_speedup"].samples) == pytest.approx(info.spec_speedup)
 
 
 def test_quantized_checkpoint_reports_its_quantization(llama_dir, tmp_path):

@@ -133,6 +133,7 @@ def test_server_info_has_every_field_from_the_engine_stats_or_the_server():
     """ServerInfoResponse is built from EngineStats by name: every proto field must be one of its
     attributes or filled by the server itself, and no attribute may miss the proto."""
     import dataclasses
+    import typing
 
     from baton.serve.baton_service import server_info_fields
     from baton.serve.runtime import Limits, Runtime
@@ -140,7 +141,9 @@ def test_server_info_has_every_field_from_the_engine_stats_or_the_server():
 
     rt = Runtime("tiny", Limits())
     names = [f.name for f in dataclasses.fields(EngineStats)]
-    stats = EngineStats(**{name: [i + 1] if name.endswith("_by_depth") else i + 1 for i, name in enumerate(names)})
+    sample = {list[int]: lambda i: [i + 1], str: str, int: lambda i: i + 1, float: lambda i: i + 1.5}
+    hints = typing.get_type_hints(EngineStats)
+    stats = EngineStats(**{name: sample[hints[name]](i) for i, name in enumerate(names)})
     fields = server_info_fields(rt, stats)
     response = proto.baton("ServerInfoResponse")
     assert set(fields) | {"coe"} == {f.name for f in response.DESCRIPTOR.fields}  # coe: serve/coe/ only

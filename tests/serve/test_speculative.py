@@ -15,7 +15,7 @@ from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 from baton.serve.sequence import Sequence
-from baton.serve.speculative import SpeculativeConfig
+from baton.serve.speculative import SpecStats, SpeculativeConfig
 from baton.serve.speculative.decoder import choose
 
 from .conftest import run_staggered
@@ -327,3 +327,19 @@ def test_speculation_switches_off_above_the_batch_limit(models):
     want = greedy_generate(target, torch.tensor([loop]), max(lengths))[0].tolist()
     for i, n in enumerate(lengths):
         assert outputs[str(i)] == want[:n]
+
+
+def test_speedup_compares_steps_of_equal_batch_size():
+    """By hand: at batch 1 plain steps ran 10 tokens/s, so the 60 speculative tokens would have taken
+    6 s plain against the 2 s they took (3x); batch 8 has no plain baseline and is left out."""
+    stats = SpecStats()
+    assert stats.speedup == 0.0
+    stats.time_step(1, True, 1.5, 40)
+    stats.time_step(1, True, 0.5, 20)
+    stats.time_step(8, True, 1.0, 90)
+    assert stats.speedup == 0.0  # no plain step yet
+    stats.time_step(1, False, 0.4, 4)
+    stats.time_step(1, False, 0.6, 6)
+    assert stats.speedup == pytest.approx(3.0)
+    stats.time_step(8, False, 0.5, 8)  # batch 8: 16 tokens/s plain, 90 tokens in 1 s speculative
+    assert stats.speedup == pytest.approx((6.0 + 90 / 16) / 3.0)

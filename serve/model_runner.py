@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -28,12 +29,12 @@ from baton.serve.fusion import fuse_projections
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
 from baton.serve.state_pool import PagedHybridAttention, Segment, StatePool, StateSlots
-from baton.serve.step_plan import DECODE_ROWS, StepPlan, plan_chunks
+from baton.serve.step_plan import DECODE_ROWS, Chunk, StepPlan, plan_chunks
 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_ROWS", "ExecuteResult", "ModelRunner", "kv_block_bytes"]
+__all__ = ["DECODE_ROWS", "ExecuteResult", "LateEntry", "ModelRunner", "kv_block_bytes"]
 
 
 @functools.cache
@@ -84,6 +85,19 @@ class ExecuteResult:
     logits: torch.Tensor  # [rows, vocab]
     groups: list[tuple[Sequence, int]]  # (sequence, its rows), in row order
     hidden: torch.Tensor | None = None  # [rows, hidden] final hidden states, when asked for (Medusa)
+
+
+@dataclass
+class LateEntry:
+    """Rows of one sequence that enter the next step at layer `ModelRunner.entry_layer`: their
+    hidden states there are known and their K/V below it are in the cache already (LayerSkip's
+    draft, serve/speculative/layerskip.py, computed them at these very slots)."""
+
+    start: int  # token index of the first row
+    tokens: list[int]
+    hidden: torch.Tensor  # [len(tokens), hidden]: the input of layer entry_layer
+    slots: list[int]  # the cache slots the rows' K/V were written to
+    stamp: int  # ModelRunner.num_executes then: only the next execute may use it
 
 
 class ModelRunner:
@@ -144,6 +158,11 @@ class ModelRunner:
             self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
+        # Rows of the next step that skip the layers below entry_layer (set by a LayerSkip proposer).
+        self.late_entries: dict[int, LateEntry] = {}
+        self.entry_layer = 0
+        self.num_executes = 0
+        self.num_late_rows = 0  # rows that entered late, in all steps so far
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:
@@ -189,19 +208,63 @@ class ModelRunner:
         return StepPlan.build(scheduled, self.block_size, positions_in_cache, window_in_cache, return_hidden)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This runner's layers over the plan's tokens: from the embedding (first stage) or from
-        the previous pipeline stage's `hidden` [1, T, hidden]. Returns [1, T, hidden]."""
+    def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
+        """This runner's layers (or the global `layers`, a part of them) over the plan's tokens:
+        from the embedding, or from `hidden` [1, T, hidden], the input of the first of them (the
+        previous pipeline stage's output, LayerSkip's rows entering late). Returns [1, T, hidden]."""
         input_ids, positions, md = plan.tensors(self.device)
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
         x = inner.embed_tokens(input_ids) if hidden is None else hidden
+        mods = self.layers
+        if layers is not None:
+            first = self.layer_ids.start
+            mods = self.layers[layers.start - first : layers.stop - first]
         self.attn.metadata = md
         try:
-            return run_layers(self.layers, x, positions, inner.inv_freq, self.attn)
+            return run_layers(mods, x, positions, inner.inv_freq, self.attn)
         finally:
             self.attn.metadata = None
+
+    @torch.inference_mode()
+    def _forward_late(
+        self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], entries: dict[int, LateEntry], in_cache: bool
+    ) -> torch.Tensor:
+        """The step's forward when some rows enter at entry_layer E: the other rows run layers < E
+        as a sub-batch of their own (each chunk less its late rows, packed in the usual order),
+        then every row's layer-E input, in the plan's row order, runs layers >= E in one pass."""
+        low, late_rows, late_hidden, row = [], [], [], 0
+        for c in plan_chunks(scheduled)[0]:
+            e, m = entries.get(c.seq_id), 0
+            if e is not None and self._entry_fits(e, c):
+                while m < len(c.tokens) and m < len(e.tokens) and e.tokens[m] == c.tokens[m]:
+                    m += 1
+                late_rows += range(row, row + m)
+                late_hidden.append(e.hidden[:m])
+            if m < len(c.tokens):
+                low.append((dataclasses.replace(c, start=c.start + m, tokens=c.tokens[m:]), row + m))
+            row += len(c.tokens)
+        if not late_rows:
+            return self.forward(plan)
+        low.sort(key=lambda x: (x[0].spec_parents is not None, len(x[0].tokens) > DECODE_ROWS))  # packing order
+        E, cfg = self.entry_layer, self.model.config
+        x = torch.empty(1, plan.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
+        if low:
+            sub = StepPlan.from_chunks([c for c, _ in low], self.block_size, in_cache, plan.window_in_cache)
+            rows = [r + i for c, r in low for i in range(len(c.tokens))]
+            x[0, torch.tensor(rows, device=self.device)] = self.forward(sub, layers=range(E))[0]
+        x[0, torch.tensor(late_rows, device=self.device)] = torch.cat(late_hidden).to(self.dtype)
+        self.num_late_rows += len(late_rows)
+        return self.forward(plan, x, layers=range(E, cfg.num_hidden_layers))
+
+    def _entry_fits(self, e: LateEntry, c: Chunk) -> bool:
+        """Written for this chunk: this step, from its first token, at the slots its rows have now."""
+        if e.stamp != self.num_executes or c.start != e.start or c.spec_parents is not None:
+            return False
+        bs, first = self.block_size, c.start - c.evicted
+        n = min(len(c.tokens), len(e.tokens))
+        return all(c.block_table[(first + i) // bs] * bs + (first + i) % bs == e.slots[i] for i in range(n))
 
     @torch.inference_mode()
     def head(self, plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -222,7 +285,12 @@ class ModelRunner:
         plan, groups = self.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
         if self.state_slots is not None:
             self._begin_states(scheduled)
-        logits, hidden = self.head(plan, self.forward(plan))
+        entries, self.late_entries = self.late_entries, {}
+        try:
+            x = self._forward_late(plan, scheduled, entries, positions_in_cache) if entries else self.forward(plan)
+        finally:
+            self.num_executes += 1
+        logits, hidden = self.head(plan, x)
         return ExecuteResult(logits, groups, hidden)
 
     def _begin_states(self, scheduled: list[tuple[Sequence, int]]) -> None:

@@ -56,6 +56,7 @@ class SpeculativeDecoder:
         self.runner, self.bm = runner, block_manager
         self.max_model_len = max_model_len
         proposer.max_model_len = max_model_len
+        proposer.bind(runner, block_manager)
         self.stats = SpecStats()
         k = config.lookahead_ngram - 1 if config.method == "lookahead" else config.num_speculative_tokens
         self.adaptive_k = AdaptiveK(k, config.adaptive)

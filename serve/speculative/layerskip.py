@@ -4,20 +4,32 @@ The draft is the target's first E decoder layers, then the shared final norm and
 LayerSkip training - baton.train.early_exit - teaches to predict); the full model verifies the k
 drafted tokens in one pass with the usual rule (decoder.py: greedy identical to plain decoding,
 sampling distribution-preserving). No second model is loaded: the draft runs on the very modules
-of the engine's model (only a sharded engine, whose process holds no model, loads the checkpoint).
+of the engine's model.
 
-KV: the draft keeps a paged cache for layers < E only (E/L of the target's KV per token), a mirror
-of each sequence rolled back after each verification to the prefix it shares with the target (the
-DraftProposer machinery, proposers.py), so accepted tokens are never recomputed by the draft. The
-verification pass does recompute layers < E for the k proposals: the engine runs every row of a
-step from the embedding, and the proposals' rows share that packed forward with other sequences'
-prefills and decodes, so it cannot start them at layer E from the draft's states (LayerSkip's
-"cache reuse"); at small batch that pass is memory-bound, and k + 1 rows cost little more than one.
+KV reuse (LayerSkip's "cache reuse"), in an engine whose process holds the model: the draft's
+layers < E are the target's, so the draft writes their K/V straight into the engine's own paged
+cache, at the sequence's real slots. Before the schedule it allocates the slots of the pending
+token and d_1..d_{k-1} in the engine's block manager (its own new blocks: a block another sequence
+shares is copied first, as any write does; a prefix-cached block is full and is never written), and
+runs k passes of layers < E, one row per sequence each; the target's prefill already filled layers
+< E of the prompt, and accepted tokens keep what the draft wrote, so nothing is computed twice.
+Each drafted row's layer-E input is handed to the runner (ModelRunner.late_entries): in the
+verification forward those rows enter at layer E, the other rows of the step (d_k, which the draft
+never fed, and every other sequence's prefill or decode) run layers < E as a sub-batch, then all
+rows run layers >= E together. Rejected proposals' slots are trimmed or overwritten later, as in any
+verification; a preempted, truncated or re-slotted sequence simply runs from the embedding (an entry
+is used only in the next forward, for the same tokens at the same slots).
+
+A sharded engine (its process holds no model: the checkpoint is loaded for the draft) and token
+trees (tree_width > 1) keep the DraftProposer mirror (proposers.py): a paged cache of layers < E of
+the draft's own, rolled back after each verification, which must also prefill every prompt through
+layers < E, and a verification that recomputes layers < E for the k proposals.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from pathlib import Path
 
 import torch
@@ -25,9 +37,14 @@ import torch
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.serve.block_manager import BlockManager
-from baton.serve.model_runner import ModelRunner, kv_block_bytes
+from baton.serve.model_runner import LateEntry, ModelRunner, kv_block_bytes
+from baton.serve.sampler import target_distributions
+from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import SpeculativeConfig
 from baton.serve.speculative.proposers import DraftProposer
+from baton.serve.step_plan import Chunk, StepPlan
+
+log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 16
 
@@ -71,18 +88,108 @@ class LayerSkipProposer(DraftProposer):
         device: torch.device,
         dtype: torch.dtype,
     ):
+        self.cfg = cfg
+        self.mirrors: dict[int, Sequence] = {}  # reuse: only the draft's sampling state (token ids, generator)
+        self._ids = itertools.count()
+        self.reuse = model is not None and cfg.tree_width == 1
+        if self.reuse:
+            self.exit_layer = exit_layer_for(cfg, model.config)
+            self.runner: ModelRunner | None = None  # the engine's (bind)
+            self.bm: BlockManager | None = None
+            return
         if model is None:  # a sharded engine: this process holds no model, so load it (only E layers run)
             from baton.common.checkpoint import load_checkpoint
 
             if model_dir is None:
                 raise ValueError("speculative method 'layerskip' needs the model or its checkpoint directory")
             model = load_checkpoint(model_dir, device=device, dtype=dtype if dtype.is_floating_point else None).model
-        self.cfg = cfg
         self.exit_layer = exit_layer_for(cfg, model.config)
         p = next(model.parameters())
         block_bytes = kv_block_bytes(model, BLOCK_SIZE, p.dtype, num_layers=self.exit_layer)
         num_blocks = max(4, cfg.draft_kv_cache_bytes // block_bytes)
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, BLOCK_SIZE, layers=range(self.exit_layer))
-        self.mirrors = {}
-        self._ids = itertools.count()
+        why = "a sharded engine" if cfg.tree_width == 1 else "a token tree"
+        log.info("LayerSkip E=%d: %s drafts with a mirror KV cache of layers < E (no KV reuse)", self.exit_layer, why)
+
+    def bind(self, runner, block_manager: BlockManager) -> None:
+        if not self.reuse:
+            return
+        if type(runner) is not ModelRunner:
+            raise ValueError("LayerSkip KV reuse needs the engine's own ModelRunner")
+        self.runner, self.bm = runner, block_manager
+        runner.entry_layer = self.exit_layer
+        log.info(
+            "LayerSkip E=%d: the draft writes layers < E into the engine's KV cache, verification enters at E",
+            self.exit_layer,
+        )
+
+    def _view(self, seq: Sequence) -> Sequence:
+        """seq's tokens (the drafts are appended to them) and the draft's own sampling stream."""
+        m = self.mirrors.get(seq.seq_id)
+        if m is None:
+            m = Sequence(next(self._ids), seq.request_id, seq.index, seq.prompt_token_ids, seq.params)
+            if seq.params.seed is not None:  # a stream apart from the target's (seed + index), as DraftProposer's
+                m.generator = torch.Generator().manual_seed((seq.params.seed * 7919 + seq.index + 1) % 2**64)
+            self.mirrors[seq.seq_id] = m
+        m.token_ids = list(seq.token_ids)
+        return m
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
+        if not self.reuse:
+            return super().propose(seqs, ks)
+        runner, bm, E = self.runner, self.bm, self.exit_layer
+        live = [s for s in seqs if ks[s.seq_id] > 0 and bm.allocate_slots(s, ks[s.seq_id])]  # pending + d_1..d_{k-1}
+        if not live:
+            return
+        runner.apply_block_ops(bm.take_pending())  # copy-on-write of a shared block before it is written
+        views = {s.seq_id: self._view(s) for s in live}
+        hidden: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
+        probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
+        final_norm, model = runner.model.model.final_norm, runner.model
+        for depth in range(max(ks[s.seq_id] for s in live)):
+            batch = [s for s in live if depth < ks[s.seq_id]]
+            chunks = [
+                Chunk(
+                    s.seq_id,
+                    s.num_computed_tokens + depth,
+                    s.num_evicted_tokens,
+                    [views[s.seq_id].token_ids[-1]],
+                    s.block_table,
+                    None,
+                    "last",
+                )
+                for s in batch
+            ]
+            x = runner.forward(StepPlan.from_chunks(chunks, bm.block_size), layers=range(E))[0]
+            q = target_distributions(
+                model.compute_logits(final_norm(x)).float().cpu(), [views[s.seq_id] for s in batch]
+            )
+            for i, s in enumerate(batch):
+                m = views[s.seq_id]
+                hidden[s.seq_id].append(x[i])
+                token = (
+                    int(torch.argmax(q[i]))
+                    if m.params.greedy
+                    else int(torch.multinomial(q[i], 1, generator=m.generator))
+                )
+                m.token_ids.append(token)
+                probs[s.seq_id].append(q[i])
+        bs = bm.block_size
+        for s in live:
+            k, first = ks[s.seq_id], s.num_computed_tokens - s.num_evicted_tokens
+            drafted = views[s.seq_id].token_ids[s.num_tokens - 1 :]  # the pending token, then d_1..d_k
+            s.spec_token_ids = drafted[1:]
+            s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
+            slots = [s.block_table[(first + i) // bs] * bs + (first + i) % bs for i in range(k)]
+            runner.late_entries[s.seq_id] = LateEntry(
+                s.num_computed_tokens, drafted[:k], torch.stack(hidden[s.seq_id]), slots, runner.num_executes
+            )
+
+    def release(self, seq: Sequence) -> None:
+        if not self.reuse:
+            return super().release(seq)
+        self.mirrors.pop(seq.seq_id, None)
+        if self.runner is not None:
+            self.runner.late_entries.pop(seq.seq_id, None)

@@ -22,6 +22,9 @@ class Proposer:
     wants_hidden = False  # True: observe() is given the target's final hidden state of each new token (Medusa)
     max_model_len = 1 << 62  # the context every proposal's rows must fit in (the decoder sets it)
 
+    def bind(self, runner: ModelRunner, block_manager: BlockManager) -> None:
+        """The engine's model runner and block manager (LayerSkip's draft writes its K/V there)."""
+
     def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
         """Propose at most ks[seq.seq_id] tokens deep for each sequence (or nothing)."""
         raise NotImplementedError

@@ -1,5 +1,6 @@
 """LayerSkip self-speculation: the draft is the engine's own model cut at layer E (no second copy),
-and a depth to draft from is required before a server binds its port. Exactness (greedy with
+writing its K/V into the engine's own cache, which the verification reuses (rows enter at layer
+E); a depth to draft from is required before a server binds its port. Exactness (greedy with
 preemption and prefix caching, the sampled distribution, T=2) is in test_speculative.py and
 parallel/test_parallel_speculative.py with the other methods."""
 
@@ -8,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.sampling_params import SamplingParams
 from baton.serve.speculative import SpeculativeConfig
 
 CFG = ModelConfig(
@@ -40,10 +43,80 @@ def test_the_draft_is_the_engines_model_cut_at_the_recorded_exit(checkpoints):
     )
     proposer = engine.speculative.proposer
     assert proposer.exit_layer == 2  # the checkpoint's first recorded exit
-    assert proposer.runner.model is engine.runner.model  # the same modules: no second copy of the weights
-    assert proposer.runner.layers == engine.runner.layers[:2]
-    assert [c is None for c in proposer.runner.kv_caches] == [False, False, True]  # KV for layers < E only
+    # the same modules and the same KV cache: no second copy of the weights, no cache of its own
+    assert proposer.runner is engine.runner and proposer.bm is engine.block_manager
+    assert engine.runner.entry_layer == 2
     assert engine.speculative.config.describe() == "layerskip k=3 exit_layer=recorded"
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8] * 11, [5] * 30, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def run_staggered_logprobs(engine, prompts, params, every=2, until=None):
+    """run_staggered's schedule (one prompt every `every` steps), keeping each output's tokens and
+    logprobs; with `until`, stop after that many steps (sequences still running)."""
+    pending, done, step = list(enumerate(prompts)), {}, 0
+    while (pending or engine.has_unfinished_requests()) and step != until:
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                done[int(out.request_id)] = (o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
+        step += 1
+    return done
+
+
+def test_every_row_runs_the_layers_below_the_exit_once(checkpoints):
+    """Reuse is what runs: with the draft writing layers < E and the verification entering at E,
+    each row the engine computes goes through layer 0 exactly as often as through layer E (the
+    mirror draft ran layers < E twice for every proposal, and once more for every prompt)."""
+    engine = LLMEngine.from_checkpoint(
+        checkpoints / "exits",
+        EngineConfig(num_kv_blocks=64, block_size=4, speculative=SpeculativeConfig("layerskip", 3)),
+    )
+    rows = {0: 0, 2: 0}
+    for i in rows:
+        engine.runner.layers[i].register_forward_hook(
+            lambda m, a, out, i=i: rows.__setitem__(i, rows[i] + out.shape[1])
+        )
+    run_staggered_logprobs(engine, PROMPTS, GREEDY)
+    stats = engine.speculative.stats
+    assert stats.proposed > 0 and stats.accepted > 0
+    assert engine.runner.num_late_rows >= stats.proposed  # every proposal but the last, and each pending token
+    assert rows[0] == rows[2], rows
+
+
+def test_the_reused_cache_and_logits_equal_plain_decodings(checkpoints):
+    """Mid-run, every running sequence's cached K/V (all layers, every computed position: layers < E
+    written by the draft, the rest by the verification) equals a plain engine's prefill of the same
+    tokens, and the finished outputs' logprobs equal plain decoding's: a wrong slot, a stale entry or
+    a row entering at E with the wrong hidden state would each show here."""
+    spec = EngineConfig(num_kv_blocks=64, block_size=4, speculative=SpeculativeConfig("layerskip", 3))
+    engine = LLMEngine.from_checkpoint(checkpoints / "exits", spec)
+    run_staggered_logprobs(engine, PROMPTS, GREEDY, until=12)
+    running = [s for s in engine.scheduler.running if s.num_computed_tokens > len(s.prompt_token_ids)]
+    assert running and engine.runner.num_late_rows > 0
+    plain = LLMEngine.from_checkpoint(checkpoints / "exits", EngineConfig(num_kv_blocks=64, block_size=4))
+    for seq in running:
+        n = seq.num_computed_tokens
+        plain.add_request(f"p{seq.seq_id}", seq.token_ids[: n + 1], SamplingParams(temperature=0, max_tokens=2))
+        plain.step()  # the prefill: K/V of the n + 1 tokens
+        (ref,) = [s for s in plain.scheduler.running]
+        slot = lambda s, i: s.block_table[i // 4] * 4 + i % 4  # noqa: E731
+        for (k, v), (pk, pv) in zip(engine.runner.kv_caches, plain.runner.kv_caches):
+            mine = torch.tensor([slot(seq, i) for i in range(n)])
+            theirs = torch.tensor([slot(ref, i) for i in range(n)])
+            torch.testing.assert_close(k.flatten(0, 1)[mine], pk.flatten(0, 1)[theirs], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v.flatten(0, 1)[mine], pv.flatten(0, 1)[theirs], atol=1e-5, rtol=1e-4)
+        plain.abort_request(f"p{seq.seq_id}")
+    got = run_staggered_logprobs(LLMEngine.from_checkpoint(checkpoints / "exits", spec), PROMPTS, GREEDY)
+    want = run_staggered_logprobs(plain, PROMPTS, GREEDY)
+    for i in range(len(PROMPTS)):
+        assert got[i][0] == want[i][0]
+        torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(want[i][1]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -64,14 +64,10 @@ def engine_config(args: argparse.Namespace):
         parallel=parallel,
     )
     config.validate()  # the scheduler's and speculative settings too
-    if spec is not None and spec.method == "layerskip" and getattr(args, "model", None):
-        from baton.serve.speculative.layerskip import check_checkpoint
+    if spec is not None and getattr(args, "model", None):
+        from baton.serve.speculative.config import check_checkpoint
 
-        check_checkpoint(spec, args.model)  # a depth to draft from: recorded exits or --exit-layer
-    if spec is not None and spec.method == "eagle" and getattr(args, "model", None):
-        from baton.common.eagle import check_eagle
-
-        check_eagle(args.model)  # the head travels in the checkpoint: refuse one without it now
+        check_checkpoint(spec, args.model)  # heads, a draft, a depth to draft from: refused now, not after binding
     if config.early_exit_threshold is not None and getattr(args, "model", None):
         from baton.common.checkpoint import read_config
         from baton.serve.early_exit import check_early_exit
@@ -79,7 +75,7 @@ def engine_config(args: argparse.Namespace):
         if (Path(args.model) / "config.json").is_file():
             sharded = config.parallel.world_size > 1
             model = read_config(args.model)
-            check_early_exit(config.early_exit_threshold, model, spec is not None, config.kv_cache_dtype, sharded)
+            check_early_exit(config, model, sharded)
     return config
 
 
@@ -92,7 +88,7 @@ def _kv_cache_bytes(args: argparse.Namespace) -> int | None:
 
 def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     """The engine flags a reader needs most, by hand; with `full`, one derived flag per other field."""
-    from baton.serve.speculative import METHODS  # (no torch: `baton --help` stays instant)
+    from baton.serve.speculative import METHOD_HELP, METHODS  # (no torch: `baton --help` stays instant)
 
     p.add_argument(
         "--kv-cache-mb",
@@ -139,7 +135,8 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     p.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=None, help="ranks that each hold a slice of the layers"
     )
-    p.add_argument("--speculative", choices=METHODS, default=None, help="speculative decoding")
+    modes = "; ".join(f"{m}: {words}" for m, words in METHOD_HELP.items())
+    p.add_argument("--speculative", choices=METHODS, default=None, help=f"speculative decoding - {modes}")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens proposed per step")
     p.add_argument("--draft-model", default=None, help="draft checkpoint for --speculative draft")
     p.add_argument(

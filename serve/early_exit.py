@@ -13,14 +13,15 @@ benchmarks/speculative.py measures agreement, perplexity and speed over threshol
 
 Compute: an exited row runs only the K/V projections of the layers it skips, the rows still in
 run the whole layer, in one sub-batch (the attention metadata narrowed to them). Applied to a
-plain ModelRunner from outside (its `execute` replaced); sharded runners, speculative decoding
-quantized KV pools and hybrid models are refused.
+plain ModelRunner from outside (its `execute` replaced); sharded runners, speculative decoding,
+StreamingLLM, quantized KV pools and hybrid models are refused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,10 +32,14 @@ from baton.serve.model_runner import ExecuteResult, ModelRunner
 from baton.serve.sequence import Sequence
 from baton.serve.step_plan import plan_chunks
 
+if TYPE_CHECKING:
+    from baton.serve.engine import EngineConfig
 
-def check_early_exit(threshold: float, model: ModelConfig, speculative: bool, kv: str, sharded: bool) -> None:
+
+def check_early_exit(config: EngineConfig, model: ModelConfig, sharded: bool) -> None:
     """Everything that rules confidence early exit out, as a ValueError naming it (the engine and,
     before a server binds its port, `baton serve` call this)."""
+    threshold = config.early_exit_threshold
     if not 0 < threshold <= 1:
         raise ValueError(f"early_exit_threshold must be in (0, 1], got {threshold}")
     if not model.early_exit_layers:
@@ -45,11 +50,13 @@ def check_early_exit(threshold: float, model: ModelConfig, speculative: bool, kv
     why = None
     if model.is_hybrid:
         why = "a hybrid (Mamba2) model: its mixer layers have no K/V to fill"
-    elif speculative:
+    elif config.speculative is not None:
         why = "speculative decoding (verification needs full depth)"
     elif sharded:
         why = "tensor/pipeline parallel serving (it runs on a single-process model)"
-    elif kv != "auto":
+    elif config.streaming:
+        why = "StreamingLLM (the fill is not checked against a reference under its evictions and re-rotated keys)"
+    elif config.kv_cache_dtype != "auto":
         why = "a quantized KV cache (the filled K/V are written unquantized): use kv_cache_dtype 'auto'"
     if why:
         raise ValueError(f"early_exit_threshold cannot be combined with {why}")

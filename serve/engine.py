@@ -106,6 +106,8 @@ class EngineConfig:
         self.parallel.validate()
         if self.speculative is not None:
             self.speculative.validate()
+            if self.streaming:
+                raise ValueError("speculative decoding and StreamingLLM cannot be combined")
         if self.early_exit_threshold is not None and not 0 < self.early_exit_threshold <= 1:
             raise ValueError(f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}")
 
@@ -151,9 +153,7 @@ class LLMEngine:
             from baton.serve.early_exit import apply_early_exit, check_early_exit
 
             sharded = type(runner) is not ModelRunner
-            check_early_exit(
-                config.early_exit_threshold, mcfg, config.speculative is not None, config.kv_cache_dtype, sharded
-            )
+            check_early_exit(config, mcfg, sharded)
             self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
         num_blocks, num_host = runner.num_blocks, runner.num_host_blocks
         eviction = None
@@ -178,8 +178,6 @@ class LLMEngine:
         self._depth = getattr(runner, "max_in_flight", 1) if config.speculative is None else 1
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         if config.speculative is not None:
-            if config.streaming:
-                raise ValueError("speculative decoding and StreamingLLM cannot be combined")
             proposer = make_proposer(
                 config.speculative, model_dir, mcfg.vocab_size, runner.device, runner.dtype, model=model
             )

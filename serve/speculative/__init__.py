@@ -28,9 +28,18 @@ Chen et al., 2023; Miao et al., 2023.)
 
 import importlib
 
-METHODS = ("ngram", "draft", "medusa", "lookahead", "layerskip", "eagle")  # `baton serve --speculative` offers these
+# `baton serve --speculative` offers these, and its --help lists them with these words
+METHOD_HELP = {
+    "ngram": "prompt lookup: copy what followed the last occurrence of the current suffix",
+    "draft": "a small draft model (--draft-model) proposes; a chain, or a tree with --speculative-tree-width",
+    "medusa": "Medusa heads in the checkpoint; a chain, or a tree (--speculative-tree-width or --speculative-tree-choices)",
+    "lookahead": "Jacobi iteration feeds an n-gram pool (--speculative-lookahead-window, -ngram, -guesses)",
+    "layerskip": "the model's own first E layers draft (--exit-layer; a checkpoint with early exits)",
+    "eagle": "an EAGLE head in the checkpoint drafts from the target's hidden states; chain or tree",
+}
+METHODS = tuple(METHOD_HELP)
 _LAZY = {"SpecStats": "baton.serve.speculative.config", "SpeculativeConfig": "baton.serve.speculative.config"}
-__all__ = ["METHODS", *_LAZY]
+__all__ = ["METHODS", "METHOD_HELP", *_LAZY]
 
 
 def __getattr__(name: str):

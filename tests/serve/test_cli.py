@@ -162,3 +162,67 @@ def test_a_limit_that_admits_nothing_is_refused_before_the_port_binds(tmp_path, 
     assert main(["serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", flag, value]) == 2
     err = capsys.readouterr().err
     assert words in err and "listening" not in err
+
+
+def test_serve_help_lists_every_speculative_mode(capsys):
+    from baton.serve.speculative import METHOD_HELP, METHODS
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # (argparse wraps lines, also at hyphens)
+    assert set(METHODS) == {"ngram", "draft", "medusa", "lookahead", "layerskip", "eagle"}
+    for method, words in METHOD_HELP.items():
+        assert "".join(f"{method}: {words}".split()) in text, method
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Config-level checkpoints: plain, with 2 Medusa heads, with early exits, and another vocabulary."""
+    from baton.common.checkpoint import save_model
+    from baton.common.config import ModelConfig
+    from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
+    from baton.common.model import build_model
+
+    d = tmp_path_factory.mktemp("refusals")
+    cfg = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    for name, extra in (("plain", {}), ("exits", {"early_exit_layers": [1]}), ("vocab50", {"vocab_size": 50})):
+        save_model(d / name, build_model(ModelConfig(**{**cfg, **extra}), seed=0))
+    save_model(d / "medusa", build_model(ModelConfig(**cfg), seed=0))
+    save_medusa(MedusaHeads(MedusaConfig(32, 48, num_heads=2)), d / "medusa")
+    return d
+
+
+@pytest.mark.parametrize(
+    "model, flags, words",
+    [
+        ("plain", ["--speculative", "medusa"], "has no Medusa heads"),
+        ("medusa", ["--speculative", "medusa", "--speculative-tree-choices", "[[0],[0,0],[0,0,0]]"], "deeper than"),
+        ("plain", ["--speculative", "draft", "--draft-model", "nonesuch"], "not a checkpoint directory"),
+        ("plain", ["--speculative", "draft", "--draft-model", "vocab50"], "must share the target's tokenizer"),
+        ("plain", ["--speculative", "layerskip"], "records no early exits"),
+        ("plain", ["--speculative", "ngram", "--streaming-window-tokens", "64"], "StreamingLLM cannot be combined"),
+        ("exits", ["--early-exit-threshold", "0.5", "--streaming-window-tokens", "64"], "combined with StreamingLLM"),
+        ("exits", ["--early-exit-threshold", "0.5", "--speculative", "ngram"], "combined with speculative"),
+        ("plain", ["--early-exit-threshold", "0.5"], "recorded early exits"),
+    ],
+)
+def test_a_bad_speculative_or_early_exit_combination_is_refused_before_the_port_binds(
+    checkpoints, served, capsys, model, flags, words
+):
+    flags = [str(checkpoints / f) if f in ("nonesuch", "vocab50") else f for f in flags]
+    assert main(["serve", "--model", str(checkpoints / model), "--port", "0", *flags]) == 2
+    assert words in capsys.readouterr().err and not served
+
+
+@pytest.mark.parametrize(
+    "model, flags",
+    [
+        ("medusa", ["--speculative", "medusa", "--speculative-tree-choices", "[[0],[1],[0,0]]"]),
+        ("plain", ["--speculative", "draft", "--draft-model", "plain"]),
+        ("exits", ["--speculative", "layerskip"]),
+        ("exits", ["--early-exit-threshold", "0.5"]),
+    ],
+)
+def test_the_same_checks_let_a_working_combination_through(checkpoints, served, model, flags):
+    flags = [str(checkpoints / f) if f == "plain" else f for f in flags]
+    assert main(["serve", "--model", str(checkpoints / model), *flags]) == 0 and len(served) == 1

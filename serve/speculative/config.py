@@ -29,6 +29,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     adaptive: bool = False  # adapt k per sequence from its running acceptance rate
     disable_above_batch: int | None = None  # no speculation while more sequences than this decode
+    speedup_probe_every: int | None = None  # every Nth decode step runs plain: a baseline for the measured speed-up
 
     def validate(self) -> None:
         if self.method not in METHODS:
@@ -39,6 +40,8 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs draft_model (a checkpoint directory)")
         if self.disable_above_batch is not None and self.disable_above_batch < 1:
             raise ValueError(f"disable_above_batch must be >= 1 (or None), got {self.disable_above_batch}")
+        if self.speedup_probe_every is not None and self.speedup_probe_every < 2:
+            raise ValueError(f"speedup_probe_every must be >= 2 (or None), got {self.speedup_probe_every}")
         if self.tree_width < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need tree_width >= 1 and 1 <= ngram_min <= ngram_max")
         if self.draft_model and self.method != "draft":

@@ -58,6 +58,7 @@ class SpeculativeDecoder:
         proposer.max_model_len = max_model_len
         proposer.bind(runner, block_manager)
         self.stats = SpecStats()
+        self.decode_steps = 0  # steps with sequences to propose for (speedup_probe_every counts them)
         k = config.lookahead_ngram - 1 if config.method == "lookahead" else config.num_speculative_tokens
         self.adaptive_k = AdaptiveK(k, config.adaptive)
 
@@ -69,9 +70,12 @@ class SpeculativeDecoder:
     def propose(self, running: list[Sequence], inject: FaultInjector | None, fail: SequenceFailure) -> None:
         """Proposals for the running sequences that decode next; a raise fails that request only."""
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
-        limit = self.config.disable_above_batch
+        limit, probe = self.config.disable_above_batch, self.config.speedup_probe_every
         if not decoding or (limit is not None and len(running) > limit):
             return
+        self.decode_steps += 1
+        if probe is not None and self.decode_steps % probe == 0:
+            return  # a plain step: the speed-up's baseline at this batch size
         budget = self.max_model_len - 1
         ks = {
             s.seq_id: min(self.adaptive_k.k(s), s.params.max_tokens - s.num_output_tokens - 1, budget - s.num_tokens)

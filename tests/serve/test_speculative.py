@@ -343,3 +343,19 @@ def test_speedup_compares_steps_of_equal_batch_size():
     assert stats.speedup == pytest.approx(3.0)
     stats.time_step(8, False, 0.5, 8)  # batch 8: 16 tokens/s plain, 90 tokens in 1 s speculative
     assert stats.speedup == pytest.approx((6.0 + 90 / 16) / 3.0)
+
+
+def test_speedup_probe_steps_run_plain_and_keep_the_output(models):
+    """Every 3rd decode step runs plain (Medusa proposes at every other one): a batch-1 baseline, so
+    the speed-up is measured; greedy output stays plain decoding's."""
+    d, target = models
+    prompt = _prompts()[1]
+    expected = greedy_generate(target, torch.tensor([prompt]), 20)[0].tolist()
+    spec = SpeculativeConfig("medusa", 3, speedup_probe_every=3)
+    engine = LLMEngine.from_checkpoint(d / "target", EngineConfig(num_kv_blocks=64, block_size=8, speculative=spec))
+    assert run_staggered(engine, [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)) == [expected]
+    stats, steps = engine.speculative.stats, engine.speculative.decode_steps
+    assert stats.plain_steps[1][1] >= steps // 3 > 0 and stats.spec_steps[1][1] > 0  # batch 1: a token a plain step
+    assert stats.speedup > 0 and engine.stats().spec_speedup == stats.speedup
+    with pytest.raises(ValueError, match="speedup_probe_every must be >= 2"):
+        SpeculativeConfig("medusa", speedup_probe_every=1).validate()

@@ -20,6 +20,9 @@ Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/s
          (the README demo model after configs/demo-draft.yaml, demo-medusa.yaml and demo-eagle.yaml)
        python benchmarks/speculative.py --quick --demo-target runs/demo/handoff --demo-draft runs/demo-draft/handoff
          (the char model and the demo model in one run and one table; --only eagle,medusa for a subset)
+       --alone-realtime (root): once the models are trained or loaded from the cache, measure under
+         SCHED_FIFO (serve_threads.realtime): alone on the cores of a shared machine; it starves the
+         other jobs while it runs, so keep such runs short (--quick --no-sweep --repeats 1: a few minutes)
 """
 
 from __future__ import annotations
@@ -220,6 +223,7 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
         "acceptance_rate": s.spec_acceptance_rate,
         "mean_accepted_length": s.spec_mean_accepted_length,
         "acceptance_by_depth": by_depth,
+        "engine_speedup": s.spec_speedup,  # what ServerInfo would report (0: no plain decode step seen)
     }
 
 
@@ -275,6 +279,11 @@ def main() -> None:
         "EAGLE heads: configs/demo-*.yaml), on prompts from the embedded default corpus",
     )
     ap.add_argument("--demo-draft", help="the draft checkpoint for --demo-target")
+    ap.add_argument(
+        "--alone-realtime",
+        action="store_true",
+        help="measure under SCHED_FIFO (root), after training: alone on the cores of a shared machine",
+    )
     args = ap.parse_args()
     only = tuple(args.only.split(",")) if args.only else ()
     if args.demo_target and not args.demo_draft:
@@ -292,10 +301,19 @@ def main() -> None:
         target, draft, text = Path(args.target), Path(args.draft), default_corpus_text()
     else:
         target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
+    if args.alone_realtime:  # from here on this process runs ahead of every normal one
+        from serve_threads import realtime
+
+        realtime()
     source = text or "To be, or not to be, that is the question. " * 50
     (_, natural), _ = workloads = prompt_sets(source, 2 if args.smoke else 8)
     max_tokens = 6 if args.smoke else 48 if args.quick else 96
-    results: dict = {"rows": []}
+    import subprocess
+
+    git = ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"]
+    commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    results: dict = {"alone_realtime": args.alone_realtime, "threads": torch.get_num_threads(), "commit": commit}
+    results["rows"] = []
     # LayerSkip and CALM run on a LayerSkip-trained copy of the target, against its own plain decoding
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit

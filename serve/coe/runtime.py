@@ -72,6 +72,7 @@ def aggregate(stats: list[EngineStats]) -> EngineStats:
         prefix_cache_hit_rate=hit,
         spec_acceptance_rate=accepted / proposed if proposed else 0.0,
         spec_mean_accepted_length=0.0,  # per expert only: passes differ in depth between experts
+        spec_method=stats[0].spec_method if stats else "none",  # one EngineConfig serves every expert
     )
 
 

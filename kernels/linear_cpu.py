@@ -1,6 +1,7 @@
-"""bfloat16 linear layers for CPU inference, with the weight reordered for oneDNN once, at load.
+"""CPU linear layers for inference with the weight packed once, at load: bf16 through oneDNN,
+fp32 through MKL's packed SGEMM.
 
-torch's `F.linear` on a bf16 CPU tensor goes to oneDNN, which reorders the plain [N, K] weight
+bf16: torch's `F.linear` on a bf16 CPU tensor goes to oneDNN, which reorders the plain [N, K] weight
 into its blocked (AMX / AVX-512 BF16) layout on every call. At decode (M = the batch, 1-64 rows)
 that reorder costs a third of the call or more (the weight is read, written and read again), and a bf16 GEMV came
 out no faster than fp32's, which moves twice the bytes. `torch.ops.mkldnn._reorder_linear_weight`
@@ -12,20 +13,65 @@ AVX-512 BF16 GEMV (`_mm512_dpbf16_ps` over the row-major weight) was measured to
 this at M = 1 but slower from M = 4 (no AMX), and it needs the plain weight beside the packed one,
 so it was not kept.
 
-Falls back to `F.linear` (`prepacked_available()` false) where oneDNN has no bf16 support on this
-CPU, or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.
+fp32: `F.linear` is MKL's SGEMM, which packs the weight into its panel layout on every call too;
+at decode batches (M = 16-64) that is ~30% of the call. MKL's packed API does it once:
+`cblas_sgemm_pack` at load, `cblas_sgemm_compute` per call (both exported by libtorch_cpu, where
+torch's x86 wheels link MKL; called through ctypes, so nothing is compiled). torch's own wrapper
+(`torch.ops.mkl._mkl_linear`) takes the packed path only at the one batch size it was packed for
+and falls back to the plain weight otherwise, so it cannot replace the weight. The pack's row hint
+(FP32_PACK_ROWS) picks MKL's blocking: measured over the 25M serving model's linears, 64 rows gave
+1.4x at M = 32-64, 1.1x at M = 8, 1.0-1.08x at M = 1 and 0.97-1.0x at M = 2048 (1 and 2048 rows
+lost at decode). Results equal F.linear's bit for bit from M = 17 (the same MKL kernels); below
+that F.linear takes a GEMV path whose sums differ in the last bits (tests/kernels/test_linear_cpu.py
+bounds both against a float64 reference). MKL forbids moving a packed buffer: it is held as a
+plain attribute (no state_dict, `.to()` or deepcopy of it) and a PackedLinear refuses a deepcopy.
+
+Falls back to `F.linear` (`prepacked_available(dtype)` false) where oneDNN has no bf16 support /
+torch has no MKL, or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.
 """
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-PACK_ROWS = 2048  # a prefill chunk (the serving benchmarks run 2,048 batched tokens per step)
+PACK_ROWS = 2048  # bf16: a prefill chunk (the serving benchmarks run 2,048 batched tokens per step)
+FP32_PACK_ROWS = 64  # fp32: MKL's blocking for decode batches (module docstring)
+_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # mkl_cblas.h's enums
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sgemm:
+    get_size: ctypes._CFuncPtr
+    pack: ctypes._CFuncPtr
+    compute: ctypes._CFuncPtr
+
+
+def _load_sgemm() -> _Sgemm | None:
+    """MKL's packed-SGEMM entry points in the libtorch_cpu already loaded, or None."""
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    libs = sorted(lib_dir.glob("libtorch_cpu.*")) + sorted(lib_dir.glob("torch_cpu.dll"))
+    if not libs:
+        return None
+    lib = ctypes.CDLL(str(libs[0]))
+    names = ("cblas_sgemm_pack_get_size", "cblas_sgemm_pack", "cblas_sgemm_compute")
+    if not all(hasattr(lib, n) for n in names):
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p  # MKL_INT is 32-bit in torch's LP64 MKL
+    get_size, pack, compute = (getattr(lib, n) for n in names)
+    get_size.restype, get_size.argtypes = ctypes.c_size_t, [i, i, i, i]
+    pack.restype, pack.argtypes = None, [i, i, i, i, i, i, f, p, i, p]
+    compute.restype, compute.argtypes = None, [i, i, i, i, i, i, p, i, p, i, f, p, i]
+    return _Sgemm(get_size, pack, compute)
 
 
 def _mkldnn_bf16() -> bool:
@@ -39,44 +85,93 @@ def _mkldnn_bf16() -> bool:
 
 
 @functools.cache
-def _supported() -> bool:
+def _sgemm() -> _Sgemm | None:
     try:
-        return _mkldnn_bf16()
+        return _load_sgemm()
+    except OSError:  # the library would not load
+        return None
+
+
+@functools.cache
+def _supported(dtype: torch.dtype) -> bool:
+    if dtype == torch.float32:
+        return _sgemm() is not None
+    try:
+        return dtype == torch.bfloat16 and _mkldnn_bf16()
     except (RuntimeError, AttributeError):  # a torch built without oneDNN's ops
         return False
 
 
-def prepacked_available() -> bool:
-    """Whether bf16 CPU linears can run from a once-reordered oneDNN weight here (and may)."""
-    return os.environ.get("BATON_CPU_PACKED_LINEAR", "1") != "0" and _supported()
+def prepacked_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether CPU linears of `dtype` (bf16 or fp32) can run from a once-packed weight here (and may)."""
+    return os.environ.get("BATON_CPU_PACKED_LINEAR", "1") != "0" and _supported(dtype)
 
 
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """The [N, K] bf16 CPU weight in oneDNN's blocked layout (an opaque mkldnn tensor). oneDNN picks
-    the layout for a batch size: the one for PACK_ROWS rows measured within 4% of the M = 1 layout
-    at decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedWeight:
+    """An [N, K] weight packed once: bf16 a oneDNN opaque tensor, fp32 MKL's packed buffer (which
+    must never move: its metadata depends on the address's alignment)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    dtype: torch.dtype
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a packed CPU weight cannot be copied (MKL's buffer must not move): pack the plain weight")
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """The [N, K] bf16 or fp32 CPU weight packed for `packed_linear`. bf16: oneDNN picks its blocked
+    layout for a batch size; the one for PACK_ROWS rows measured within 4% of the M = 1 layout at
+    decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection)."""
+    ok = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+    if not ok or weight.dim() != 2 or not weight.numel():
         raise ValueError(
-            f"pack_weight: a 2-D bfloat16 CPU weight, got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
+            "pack_weight: a non-empty 2-D bfloat16 or float32 CPU weight, "
+            f"got {tuple(weight.shape)} {weight.dtype} on {weight.device}"
         )
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    if weight.dtype == torch.bfloat16:
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype)
+    mkl = _sgemm()
+    if mkl is None:
+        raise ValueError("pack_weight: this torch has no MKL packed SGEMM (see prepacked_available)")
+    size = mkl.get_size(_B_MATRIX, FP32_PACK_ROWS, n, k)
+    buf = torch.empty(-(-size // 4), dtype=torch.float32)  # untouched pages cost no memory
+    mkl.pack(_ROW_MAJOR, _B_MATRIX, _TRANS, FP32_PACK_ROWS, n, k, 1.0, w.data_ptr(), k, buf.data_ptr())
+    return PackedWeight(buf, n, k, weight.dtype)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] bf16 times a `pack_weight` result, plus bias: F.linear's value (float32
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times a `pack_weight` result, plus bias: F.linear's value (bf16: float32
     accumulation, one rounding to bf16). No autograd: inference only."""
-    k = x.shape[-1]
-    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, k), packed, bias, "none", [], "")
-    return y.view(*x.shape[:-1], y.shape[-1])
+    k, n = packed.in_features, packed.out_features
+    if x.dtype != packed.dtype or x.shape[-1] != k or x.device.type != "cpu":
+        raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} for a {packed.dtype} [{n}, {k}] weight")
+    x2 = x.reshape(-1, k)
+    if packed.dtype == torch.bfloat16:
+        y = torch.ops.mkldnn._linear_pointwise(x2, packed.data, bias, "none", [], "")
+    else:
+        x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+        if y.numel():
+            _sgemm().compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x2.shape[0], n, k, x2.data_ptr(), k,
+                             packed.data.data_ptr(), k, 0.0, y.data_ptr(), n)  # fmt: skip
+        if bias is not None:
+            y += bias
+    return y.view(*x.shape[:-1], n)
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The specification: the bf16 inputs multiplied in float32, rounded to bf16 once."""
-    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    """The specification: the inputs multiplied in float64 (bf16: float32), rounded to x's dtype once."""
+    wide = torch.float64 if x.dtype == torch.float32 else torch.float32
+    return F.linear(x.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(x.dtype)
 
 
 class PackedLinear(nn.Module):
-    """An inference-only nn.Linear whose weight lives in oneDNN's layout (`pack_weight`)."""
+    """An inference-only nn.Linear whose weight lives packed (`pack_weight`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -92,11 +187,9 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """In place: every plain bf16 CPU nn.Linear (no hooks; its weight not shared with another
+    """In place: every plain bf16 or fp32 CPU nn.Linear (no hooks; its weight not shared with another
     module, as a tied LM head's is with the embedding) becomes a PackedLinear, so the plain weight
-    is freed. Returns how many were packed; 0 where `prepacked_available()` is false."""
-    if not prepacked_available():
-        return 0
+    is freed. Returns how many were packed; none of a dtype where `prepacked_available(dtype)` is false."""
     shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     todo = [
         (parent, name, child)
@@ -106,7 +199,9 @@ def pack_linears(model: nn.Module) -> int:
         and not child._forward_hooks
         and not child._forward_pre_hooks
         and child.weight.device.type == "cpu"
-        and child.weight.dtype == torch.bfloat16
+        and child.weight.dtype in (torch.bfloat16, torch.float32)
+        and child.weight.numel()
+        and prepacked_available(child.weight.dtype)
         and id(child.weight) not in shared
     ]
     for parent, name, child in todo:

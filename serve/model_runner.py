@@ -123,8 +123,7 @@ class ModelRunner:
             keep_freed_memory()
             if self.dtype in (torch.float32, torch.bfloat16):  # the C++ decode kernel's dtypes: build/load it now
                 cpu_kernels()
-            if self.dtype == torch.bfloat16:  # oneDNN reorders a plain bf16 weight on every call: once, here
-                pack_linears(self.model)
+            pack_linears(self.model)  # oneDNN (bf16) / MKL (fp32) pack a plain weight on every call: once, here
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
         self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
         self.layers = [self.model.model.layers[i] for i in self.layer_ids]

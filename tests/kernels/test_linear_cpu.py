@@ -1,5 +1,6 @@
-"""bf16 CPU linears from a once-reordered oneDNN weight (kernels/linear_cpu.py) against the float32
-reference, the model runner's use of them (greedy tokens equal the plain path's), and the fallback."""
+"""CPU linears from a once-packed weight (kernels/linear_cpu.py: bf16 through oneDNN, fp32 through MKL)
+against float32 / float64 references, the model runner's use of them (greedy tokens equal the plain
+path's), and the fallback."""
 
 import copy
 import dataclasses
@@ -16,7 +17,9 @@ from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
 needs_onednn = pytest.mark.skipif(not linear_cpu.prepacked_available(), reason="no oneDNN bf16 on this CPU")
-BF16 = dict(rtol=2**-7, atol=1e-6)  # one rounding of the float32 sum to bf16 apart at most
+needs_mkl = pytest.mark.skipif(not linear_cpu.prepacked_available(torch.float32), reason="torch without MKL")
+PACKABLE = [pytest.param(torch.bfloat16, marks=needs_onednn), pytest.param(torch.float32, marks=needs_mkl)]
+BF16 = {"rtol": 2**-7, "atol": 1e-6}  # one rounding of the float32 sum to bf16 apart at most
 
 CFG = ModelConfig(
     vocab_size=160,
@@ -43,9 +46,43 @@ def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
     torch.testing.assert_close(y.float(), linear_reference(x, w, b).float(), **BF16)
 
 
+@needs_mkl
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 1536, 1024), (3, 7, 33), (16, 96, 2816), (17, 96, 2816), (64, 17, 63), (300, 5, 1)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_packed_linear_matches_the_float64_reference(m, n, k, bias):
+    """MKL's packed SGEMM at every batch size (one pack serves all M; the pack's row hint is 64),
+    as close to the float64 product as F.linear's own SGEMM is."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(2, m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    with torch.inference_mode():
+        y = packed_linear(x, pack_weight(w), b)
+    ref = linear_reference(x, w, b)
+    assert y.shape == (2, m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    plain_err = (torch.nn.functional.linear(x, w, b) - ref).abs().max()
+    assert (y - ref).abs().max() <= 4 * plain_err + 1e-6
+
+
 def test_pack_weight_refuses_what_it_cannot_pack():
-    with pytest.raises(ValueError, match="bfloat16 CPU"):
-        pack_weight(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="bfloat16 or float32 CPU"):
+        pack_weight(torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="non-empty"):
+        pack_weight(torch.randn(0, 8))
+
+
+@needs_mkl
+def test_packed_linear_refuses_a_mismatched_input_and_a_copy():
+    packed = pack_weight(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="float32"):
+        packed_linear(torch.randn(2, 8).bfloat16(), packed)
+    with pytest.raises(ValueError, match=r"\[4, 8\]"):
+        packed_linear(torch.randn(2, 7), packed)
+    with pytest.raises(TypeError, match="cannot be copied"):  # MKL's buffer must not move
+        copy.deepcopy(PackedLinear(torch.nn.Linear(8, 4)))
 
 
 def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
@@ -61,9 +98,9 @@ def greedy(runner: ModelRunner, prompt: list[int], steps: int) -> list[int]:
     return seq.output_token_ids
 
 
-@needs_onednn
-def test_the_model_runner_packs_bf16_linears_and_greedy_tokens_stay_the_same(monkeypatch):
-    model = build_model(CFG, seed=0).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_the_model_runner_packs_linears_and_greedy_tokens_stay_the_same(monkeypatch, dtype):
+    model = build_model(CFG, seed=0).to(dtype)
     packed = ModelRunner(copy.deepcopy(model), num_blocks=8, block_size=8)
     monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
     plain = ModelRunner(model, num_blocks=8, block_size=8)
@@ -71,20 +108,21 @@ def test_the_model_runner_packs_bf16_linears_and_greedy_tokens_stay_the_same(mon
     assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == 4 * CFG.num_hidden_layers + 1
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
     prompt = torch.randint(0, CFG.vocab_size, (11,), generator=torch.Generator().manual_seed(1)).tolist()
-    # bf16 logits of the two paths agree to rounding; a near-tie could still flip an argmax, which
-    # these seeds do not have (the float32 accumulation is the same up to summation order)
+    # logits of the two paths agree to rounding; a near-tie could still flip an argmax, which these
+    # seeds do not have (the accumulation is the same up to summation order)
     assert greedy(packed, prompt, 12) == greedy(plain, prompt, 12)
 
 
-def test_without_onednn_bf16_nothing_is_packed(monkeypatch):
-    monkeypatch.setattr(linear_cpu, "_supported", lambda: False)
-    model = build_model(CFG, seed=0).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_without_onednn_bf16_or_mkl_nothing_is_packed(monkeypatch, dtype):
+    monkeypatch.setattr(linear_cpu, "_supported", lambda dtype: False)
+    model = build_model(CFG, seed=0).to(dtype)
     assert pack_linears(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-@needs_onednn
-def test_a_tied_lm_head_keeps_its_shared_weight():
-    model = build_model(dataclasses.replace(CFG, tie_word_embeddings=True), seed=0).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", PACKABLE)
+def test_a_tied_lm_head_keeps_its_shared_weight(dtype):
+    model = build_model(dataclasses.replace(CFG, tie_word_embeddings=True), seed=0).to(dtype)
     assert pack_linears(model) == 7 * CFG.num_hidden_layers  # every projection; not the tied head
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight

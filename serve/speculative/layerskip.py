@@ -38,7 +38,7 @@ from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.serve.block_manager import BlockManager
 from baton.serve.model_runner import LateEntry, ModelRunner, kv_block_bytes
-from baton.serve.sampler import target_distributions
+from baton.serve.sampler import apply_penalties, target_distributions
 from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import SpeculativeConfig
 from baton.serve.speculative.proposers import DraftProposer
@@ -163,18 +163,10 @@ class LayerSkipProposer(DraftProposer):
                 for s in batch
             ]
             x = runner.forward(StepPlan.from_chunks(chunks, bm.block_size), layers=range(E))[0]
-            q = target_distributions(
-                model.compute_logits(final_norm(x)).float().cpu(), [views[s.seq_id] for s in batch]
-            )
+            tokens, q = self._draw(model.compute_logits(final_norm(x)), [views[s.seq_id] for s in batch])
             for i, s in enumerate(batch):
-                m = views[s.seq_id]
                 hidden[s.seq_id].append(x[i])
-                token = (
-                    int(torch.argmax(q[i]))
-                    if m.params.greedy
-                    else int(torch.multinomial(q[i], 1, generator=m.generator))
-                )
-                m.token_ids.append(token)
+                views[s.seq_id].token_ids.append(tokens[i])
                 probs[s.seq_id].append(q[i])
         bs = bm.block_size
         for s in live:
@@ -186,6 +178,24 @@ class LayerSkipProposer(DraftProposer):
             runner.late_entries[s.seq_id] = LateEntry(
                 s.num_computed_tokens, drafted[:k], torch.stack(hidden[s.seq_id]), slots, runner.num_executes
             )
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, views: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's draft token: a greedy row's argmax (after its penalties), a sampled row's draw
+        from the distribution it is verified against (its q, returned; None for greedy rows)."""
+        logits = logits.float().cpu()
+        sampled = [i for i, v in enumerate(views) if not v.params.greedy]
+        q: list[torch.Tensor | None] = [None] * len(views)
+        if sampled:
+            for i, row in zip(sampled, target_distributions(logits[sampled], [views[i] for i in sampled])):
+                q[i] = row
+        tokens = [
+            int(torch.argmax(apply_penalties(logits[i], v)))
+            if q[i] is None
+            else int(torch.multinomial(q[i], 1, generator=v.generator))
+            for i, v in enumerate(views)
+        ]
+        return tokens, q
 
     def release(self, seq: Sequence) -> None:
         if not self.reuse:

@@ -100,8 +100,10 @@ def nvme_ready() -> bool:
     the suite's budget, so the NVMe tests run where it is already built (or BATON_TEST_NVME=1)."""
     if os.environ.get("BATON_TEST_NVME") == "1":
         return True
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions")
-    return ctypes.util.find_library("aio") is not None and (root / "async_io" / "async_io.so").is_file()
+    from baton.train.backends.deepspeed_ops import MARKER, build_root
+
+    root = build_root(Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions"))
+    return ctypes.util.find_library("aio") is not None and (root / "async_io" / MARKER).is_file()
 
 
 NVME = nvme_ready()

@@ -153,6 +153,20 @@ def _op_builders() -> str | None:
     return None
 
 
+def _jit_load() -> str | None:
+    """deepspeed_ops.py wraps jit_load and, loading a cached build, stores it where load() looks first."""
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    if not re.search(r"if self\.name in __class__\._loaded_ops:", inspect.getsource(OpBuilder.load)):
+        return "OpBuilder.load() no longer looks in _loaded_ops first"
+    return first(
+        accepts(OpBuilder.jit_load, 2),
+        methods(OpBuilder, 1, "sources"),
+        methods(OpBuilder, 2, "deepspeed_src_path"),
+        None if isinstance(getattr(OpBuilder, "_loaded_ops", None), dict) else "no _loaded_ops dict",
+    )
+
+
 def _zero3_param_attributes() -> str | None:
     """ZeRO-3 partitioned parameters' attributes that zero_memory.py reads (and ds_shape, the whole
     shape of a zero.Init placeholder, which param_groups and init_from read)."""
@@ -234,6 +248,10 @@ def private_api_checks() -> dict[str, tuple[str, Callable[[], str | None]]]:
         ),
         "deepspeed.ops.__compatible_ops__ (shm_comm switched off)": (ds, _compatible_ops),
         "accelerator op builders: .load(verbose=), .is_compatible(verbose=), NAME": (ds, _op_builders),
+        "OpBuilder.jit_load(verbose), .sources(), .deepspeed_src_path(), _loaded_ops (looked up first)": (
+            "deepspeed_ops.py",
+            _jit_load,
+        ),
         "ZeRO-3 swap: _swappable_optimizer_subgroup, _optimizer_states_and_gradient_swap_in/_out, "
         "_release_swap_buffers": (
             ds,

@@ -2,7 +2,8 @@
 
 What Baton adds around DeepSpeed, and why:
 - JIT-built ops (DeepSpeedCPUAdam, shared-memory comm, async_io) are built up front under a file
-  lock, after removing a `lock` file that a killed build left behind (it hangs the next run).
+  lock, after removing a `lock` file that a killed build left behind (it hangs the next run), once
+  per installation for all checkouts (deepspeed_ops.py).
 - The shared-memory CPU allreduce is off unless asked for (deepspeed.shm_comm): gloo is the CPU
   default, and the op costs a one-time build of about a minute.
 - A non-finite step is never applied: ZeRO 1-3 skip it themselves (invalid gradient norm); at
@@ -37,6 +38,7 @@ from baton.common.config import ConfigError, ModelConfig
 from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
+from baton.train.backends.deepspeed_ops import use_build_cache
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
 from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
@@ -110,16 +112,17 @@ def prepare_ops(cfg: TrainConfig) -> None:
     builders = _builders(cfg)
     if not builders:
         return
-    root = Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions")))
-    root.mkdir(parents=True, exist_ok=True)
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_root() / "torch_extensions")
+    folder = use_build_cache(root)  # one build per installation, shared by checkouts (deepspeed_ops.py)
+    folder.mkdir(parents=True, exist_ok=True)
     for b in builders:
-        with open(root / f".{b.name}.baton-lock", "w") as held:  # one lock per op: builds of others go on
+        with open(folder / f".{b.name}.baton-lock", "w") as held:  # one lock per op: builds of others go on
             fcntl.flock(held, fcntl.LOCK_EX)
-            stale = root / b.name / "lock"
+            stale = folder / b.name / "lock"
             if stale.exists():
                 log.warning("removing %s, left by an interrupted build of %s", stale, b.name)
                 stale.unlink()
-            log.info("loading DeepSpeed op %s (built once into %s; the first build takes minutes)", b.name, root)
+            log.info("loading DeepSpeed op %s (built once into %s; the first build takes minutes)", b.name, folder)
             b.load(verbose=False)
 
 

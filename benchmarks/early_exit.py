@@ -71,14 +71,17 @@ def smoke_target(target: Path, out: Path) -> Path:
 
 
 def modes(target: Path) -> dict[str, SpeculativeConfig | dict | None]:
-    """plain, LayerSkip from the middle exit, CALM at each threshold (a dict: EngineConfig fields)."""
+    """plain, LayerSkip from the first and the middle exit, CALM at each threshold (a dict: EngineConfig fields)."""
     from baton.common.checkpoint import read_config
 
     exits = read_config(target).early_exit_layers
     mid = exits[len(exits) // 2]
     out: dict = {
         "plain (layerskip-trained)": None,
-        f"layerskip E={mid} k=4": SpeculativeConfig("layerskip", 4, exit_layer=mid),
+        **{
+            f"layerskip E={e} k=4": SpeculativeConfig("layerskip", 4, exit_layer=e)
+            for e in dict.fromkeys([exits[0], mid])
+        },
     }
     out.update({f"calm t={t}": {"early_exit_threshold": t} for t in THRESHOLDS})
     return out

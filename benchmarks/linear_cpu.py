@@ -1,5 +1,6 @@
 """bf16 linear layers on CPU: torch's F.linear (oneDNN, reordering the plain weight every call)
-against a oneDNN weight reordered once (kernels/linear_cpu.py), with fp32 F.linear beside them,
+against a oneDNN weight reordered once (kernels/linear_cpu.py), with fp32 F.linear and fp32 from
+MKL's once-packed SGEMM (the same file) beside them,
 at the 110M serving model's shapes (8 layers of qkv / o / gate_up / down plus the LM head, so the
 weights do not sit in L2), M = 1..2048 rows; then whole decode steps of that model through the
 model runner, packed and plain, at batch 1 and 8, with a torch-profiler split of one step.
@@ -61,12 +62,14 @@ def linears(m: dict, rows: list[int], rounds: int, clock) -> list[dict]:
     w32 = [torch.randn(n, k, generator=g) / k**0.5 for k, n in sh]
     w16 = [w.bfloat16() for w in w32]
     packed = [pack_weight(w) for w in w16]
+    packed32 = [pack_weight(w) for w in w32]
     out = []
     for M in rows:
         x32 = {k: torch.randn(M, k, generator=g) for k, _ in sh}
         x16 = {k: x.bfloat16() for k, x in x32.items()}
         fns = {
             "fp32 F.linear": lambda x32=x32: [F.linear(x32[w.shape[1]], w) for w in w32],
+            "fp32 packed": lambda x32=x32: [packed_linear(x32[w.shape[1]], p) for w, p in zip(w32, packed32)],
             "bf16 F.linear": lambda x16=x16: [F.linear(x16[w.shape[1]], w) for w in w16],
             "bf16 packed": lambda x16=x16: [packed_linear(x16[w.shape[1]], p) for w, p in zip(w16, packed)],
         }

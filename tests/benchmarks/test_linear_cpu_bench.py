@@ -27,7 +27,7 @@ def test_smoke_reports_every_side(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "linear_cpu.json").read_text())
     assert [c["rows"] for c in r["linears"]] == [1, 4]
-    assert all(set(c["ms"]) == {"fp32 F.linear", "bf16 F.linear", "bf16 packed"} for c in r["linears"])
+    assert all(set(c["ms"]) == {"fp32 F.linear", "fp32 packed", "bf16 F.linear", "bf16 packed"} for c in r["linears"])
     assert [d["batch"] for d in r["decode"]] == [1, 2]
     assert all(v > 0 for d in r["decode"] for v in d["ms"].values()) and r["threads"] == 1
     assert (tmp_path / "linear_cpu.png").stat().st_size > 10_000

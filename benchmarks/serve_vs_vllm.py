@@ -18,13 +18,14 @@ torchvision/torchaudio/torchcodec it pulls are removed (their CUDA builds break 
 only multimodal models need them). Both sides get 2 OpenMP threads bound to the cores.
 
 `--baton-ref REV` adds a third side, Baton at git revision REV (a worktree under /tmp): before vs
-after in the same run. `--smoke`: Baton only, a tiny model, a few requests, checked against HF.
+after in the same run. `--baton-env KEY=VALUE` adds a side that is this Baton with that variable set
+(e.g. BATON_CPU_PACKED_LINEAR=0: a switch's effect in one run, without a second build). `--smoke`: Baton only, a tiny model, a few requests, checked against HF.
 `--alone-realtime` (root) runs the whole benchmark under SCHED_FIFO: on a machine other jobs share,
 both sides then have the cores to themselves, as the issue's "idle system paused" asks, while the
 other jobs wait (the kernel still leaves them 5% of each second).
 
     .venv/bin/python benchmarks/serve_vs_vllm.py [--models 25M 110M] [--dtypes fp32 bf16]
-        [--rounds 3] [--repeats 2] [--no-vllm] [--baton-ref REV] [--alone-realtime] [--smoke] [--out DIR]
+        [--rounds 3] [--repeats 2] [--no-vllm] [--baton-ref REV] [--baton-env K=V] [--alone-realtime] [--smoke] [--out DIR]
 
 Writes DIR/serve_vs_vllm.{json,png} (default benchmarks/results/) and prints a markdown table.
 """
@@ -366,6 +367,7 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=48)
     ap.add_argument("--no-vllm", action="store_true", help="Baton only (and --baton-ref, if given)")
     ap.add_argument("--baton-ref", help="also run Baton at this git revision (before/after in one run)")
+    ap.add_argument("--baton-env", metavar="KEY=VALUE", help="also run this Baton with KEY=VALUE in its environment")
     ap.add_argument("--vllm-venv", type=Path, default=Path.home() / ".cache" / "baton" / "vllm-venv")
     ap.add_argument("--hf-check", type=int, default=4, help="fp32 requests checked against HF transformers")
     ap.add_argument("--smoke", action="store_true", help="Baton only, tiny model, 8 requests, HF check")
@@ -388,6 +390,10 @@ def main() -> None:
     sides = {"baton": sys.executable}
     if args.baton_ref:
         sides[f"baton@{args.baton_ref}"] = sys.executable
+    if args.baton_env:
+        if "=" not in args.baton_env:
+            raise SystemExit(f"--baton-env: KEY=VALUE, got {args.baton_env!r}")
+        sides[f"baton[{args.baton_env}]"] = sys.executable
     if not args.no_vllm:
         sides["vllm"] = str(ensure_vllm_venv(args.vllm_venv))
     ref_src = baseline_source(args.baton_ref) if args.baton_ref else None
@@ -423,6 +429,8 @@ def main() -> None:
                     for side, python in sides.items():
                         ref = side.startswith("baton@")
                         env = thread_env(str(tmp / "ext-ref") if ref else None)
+                        if side.startswith("baton["):
+                            env.update([args.baton_env.split("=", 1)])
                         r = run_side(side, python, {**job, "baton_src": ref_src if ref else None}, tmp, env)
                         cell["runs"][side].append(r)
                         print(f"{name} {dtype} round {rnd} {side}: {max(r['tok_per_s']):.0f} tok/s", flush=True)
@@ -432,6 +440,9 @@ def main() -> None:
                 for runs in cell["runs"].values():
                     for r in runs:
                         r.pop("outputs", None)
+                for other in (s for s in sides if s.startswith("baton") and s != "baton"):
+                    same = sum(x == y for x, y in zip(outputs["baton"], outputs[other]))
+                    cell[f"{other} outputs = baton's"] = f"{same}/{len(work)}"
                 if dtype == "fp32" and "vllm" in sides:
                     same = sum(a == b for a, b in zip(outputs["baton"], outputs["vllm"]))
                     cell["fp32_equal_vllm"] = f"{same}/{len(work)}"

@@ -19,17 +19,17 @@ TORCH3D = ["backend=torch3d"]
 
 
 @pytest.fixture(scope="module")
-def trained(recipe, tmp_path_factory):
-    """name -> out_dir: a single-process reference and two torch3d layouts of the same recipe."""
+def trained(recipe, runs, tmp_path_factory):
+    """name -> out_dir: the single-process reference (the session's torch-1 run of the same recipe)
+    and two torch3d layouts."""
     root = tmp_path_factory.mktemp("torch3d")
-    runs = {
-        "single": (1, []),
+    layouts = {
         "tp2_pp2": (4, [*TORCH3D, "parallel.tp=2", "parallel.pp=2"]),
         "cp2_selective": (2, [*TORCH3D, "parallel.cp=2", "recompute.mode=selective"]),
     }
-    for name, (nproc, overrides) in runs.items():
+    for name, (nproc, overrides) in layouts.items():
         run(nproc, train_args(recipe, root / name, overrides), root / f"{name}.log")
-    return {name: root / name for name in runs}
+    return {"single": runs.get("torch-1"), **{name: root / name for name in layouts}}
 
 
 @pytest.mark.parametrize("layout", ["tp2_pp2", "cp2_selective"])

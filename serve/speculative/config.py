@@ -138,8 +138,9 @@ class SpecStats:
     accepted_by_depth: list[int] = field(default_factory=list)
     # Decode-only engine steps by the number of sequences in them: [seconds, tokens] of the steps that
     # verified proposals, and of the plain ones (no sequence had any) - the speed-up compares the two.
-    spec_steps: dict[int, list[float]] = field(default_factory=dict)
-    plain_steps: dict[int, list[float]] = field(default_factory=dict)
+    # Timings differ between runs of the same tokens: equality of two SpecStats leaves them out.
+    spec_steps: dict[int, list[float]] = field(default_factory=dict, compare=False)
+    plain_steps: dict[int, list[float]] = field(default_factory=dict, compare=False)
 
     def count(self, proposed: int, deepest: int, accepted: int) -> None:
         """One verification pass: `proposed` candidates reaching `deepest`, `accepted` of them kept."""

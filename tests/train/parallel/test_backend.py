@@ -96,16 +96,17 @@ def test_handoff_of_a_torch3d_run(trained, tmp_path):
         ("1", ["parallel.tp=2"], "the parallel section needs backend: torch3d"),
     ],
 )
-def test_recipe_with_impossible_layout_fails_before_starting(recipe, tmp_path, world, overrides, message):
+def test_recipe_with_impossible_layout_fails_before_starting(
+    recipe, tmp_path, world, overrides, message, monkeypatch, capsys
+):
     """WORLD_SIZE is what torchrun sets before starting the ranks: the recipe is checked against it
-    when it is loaded, before any process group, tokenizer or weight exists."""
-    env = {**environment(1), "WORLD_SIZE": world}
-    out = subprocess.run(
-        [sys.executable, "-m", "baton.common.cli", *train_args(recipe, tmp_path / "run", overrides)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    when it is loaded, before any process group, tokenizer or weight exists. (`baton train` in this
+    process: it fails before anything a second process would isolate is made.)"""
+    from baton.common.cli import main as baton
+
+    for name in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    code, stderr = baton(train_args(recipe, tmp_path / "run", overrides)), capsys.readouterr().err
+    assert code == 2 and message in stderr, stderr[-2000:]
     assert not (tmp_path / "run").exists()

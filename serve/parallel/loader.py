@@ -17,6 +17,7 @@ import torch
 from baton.common.checkpoint import CheckpointError, read_config
 from baton.common.model import CausalLM
 from baton.common.weight_slices import WeightSlices
+from baton.kernels.linear_cpu import PackedLinear
 from baton.serve.parallel.shard import Shard, Slice, shard_model
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import set_compute_dtype
@@ -91,9 +92,11 @@ def load_shard(
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the tensors this rank holds (shared tensors counted once)."""
+    """Bytes of the tensors this rank holds (shared tensors counted once), packed CPU linears'
+    weights and biases included (kernels/linear_cpu.py holds them outside parameters and buffers)."""
     seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    packed = [(m.packed.data, m.bias) for m in model.modules() if isinstance(m, PackedLinear)]
+    for t in list(model.parameters()) + list(model.buffers()) + [t for pair in packed for t in pair]:
         if t is not None and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

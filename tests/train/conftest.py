@@ -229,16 +229,20 @@ class Runs:
         if mode not in self.done:
             nproc = MODES[mode][0]
             batch = [m for m, (n, _) in MODES.items() if n == nproc and m not in self.done]
-            specs = [f"{m}={','.join(o.replace('{out}', str(self.root / m)) for o in MODES[m][1])}" for m in batch]
-            run(
-                nproc,
-                [str(self.recipe), str(self.root), *specs],
-                self.root / f"references-{nproc}.log",
-                timeout=600,
-                script=str(MULTI_RUN),
-            )
+            multi_run(nproc, self.recipe, self.root, {m: MODES[m][1] for m in batch}, f"references-{nproc}.log")
             self.done.update(batch)
         return self.root / mode
+
+
+def multi_run(nproc: int, recipe: Path, root: Path, runs: dict[str, list[str]], log: str) -> None:
+    """Train each of `runs` (name -> overrides; out_dir root/name) one after another in one process
+    group of `nproc` ranks (multi_run.py), logging to root/log."""
+    specs = [
+        f"{name}={','.join(o.replace('{out}', str(root / name)) for o in overrides)}"
+        for name, overrides in runs.items()
+    ]
+    assert not any("," in o for overrides in runs.values() for o in overrides), "multi_run.py splits overrides at ','"
+    run(nproc, [str(recipe), str(root), *specs], root / log, timeout=600, script=str(MULTI_RUN))
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
 """Train several recipes one after another in one process group (as torchrun's worker, or alone).
 
-The reference runs differ only in backend settings; making them in one process per world size
-saves the start-up (imports, DeepSpeed set-up) of each, which dominates these tiny runs.
+The reference runs (and the resumes of test_resume.py) differ only in settings; making them in one
+process group per world size saves the start-up (imports, DeepSpeed set-up) of each, which
+dominates these tiny runs.
 Usage: multi_run.py RECIPE ROOT NAME=override,override ... (each run goes to ROOT/NAME).
 """
 
 import gc
+import logging
 import sys
 
 from baton.train.config import load_config
@@ -14,6 +16,7 @@ from baton.train.trainer import train
 
 
 def main(recipe: str, root: str, specs: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # as `baton` logs
     init_distributed(need_group=True)  # one group for all runs, as DeepSpeed needs
     for spec in specs:
         name, _, overrides = spec.partition("=")

@@ -18,6 +18,7 @@ from .conftest import (
     final_state,
     losses,
     max_rel_diff,
+    multi_run,
     run,
     run_and_kill,
     train_args,
@@ -64,15 +65,12 @@ def test_nvme_checkpoint_resumes_at_another_world_size(runs, tmp_path):
     resumed the same way (through the universal form). Neither follows the 2-rank reference exactly:
     at another world size ZeRO-3 sums gradients in another order, and this 0.8M model drifts from it
     by ~5e-3 (weights) by step 20, CPU offload alike: only a loose bound holds there."""
-    outs = {}
+    resumes = {}
     for mode in ("z3-nvme-2", "z3-cpu-wider-2"):
         ckpt = runs.get(mode) / "checkpoints" / f"step_{CKPT_STEP:08d}"
-        outs[mode] = tmp_path / mode
-        run(
-            1,
-            train_args(runs.recipe, outs[mode], [*MODES[mode][1], f"checkpoint.resume={ckpt}"]),
-            tmp_path / f"{mode}.log",
-        )
+        resumes[mode] = [*MODES[mode][1], f"checkpoint.resume={ckpt}"]
+    multi_run(1, runs.recipe, tmp_path, resumes, "resumed.log")  # both in one process, one after the other
+    outs = {mode: tmp_path / mode for mode in resumes}
     got, cpu = final_state(outs["z3-nvme-2"]), final_state(outs["z3-cpu-wider-2"])
     for key in ("weights", "exp_avg", "exp_avg_sq"):
         assert all(torch.equal(getattr(got, key)[k], getattr(cpu, key)[k]) for k in cpu.weights), key

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ..netns import Node, two_nodes
-from .conftest import kill_tree, losses, run, train_args
+from .conftest import kill_tree, losses, train_args
 from .parallel.test_slurm import DONE, submit, wait_for
 from .parallel.test_slurm import _env as clean_env
 
@@ -57,11 +57,9 @@ def assert_same_losses(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def single(recipe, tmp_path_factory) -> Path:
-    """The recipe on one plain process: the yardstick for every two-node run."""
-    out = tmp_path_factory.mktemp("single")
-    run(1, train_args(recipe, out / "run", []), out / "single.log")
-    return out / "run"
+def single(runs) -> Path:
+    """The recipe on one plain process (the session's torch-1 run): the yardstick for every two-node run."""
+    return runs.get("torch-1")
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
 """DeepSpeed specifics: non-finite steps never applied at any stage, Baton's ZeRO checkpoint
-conversion against DeepSpeed's own zero_to_fp32, and the JIT-build lock guard."""
+conversion against DeepSpeed's own zero_to_fp32, the JIT-build lock guard, and the op build cache
+shared by checkouts (deepspeed_ops.py)."""
 
 import json
 import math

@@ -76,3 +76,19 @@ def run_staggered(engine, prompts, params, every: int = 3) -> list[list[int]]:
                 done[int(out.request_id)] = out.outputs[0].token_ids
         step += 1
     return [done[i] for i in range(len(prompts))]
+
+
+def run_staggered_logprobs(engine, prompts, params, every: int = 2, until: int | None = None) -> dict:
+    """run_staggered's schedule, keeping each finished output's (tokens, their logprobs) by prompt
+    index; with `until`, stop after that many steps (sequences still running)."""
+    pending, done, step = list(enumerate(prompts)), {}, 0
+    while (pending or engine.has_unfinished_requests()) and step != until:
+        if pending and step % every == 0:
+            i, p = pending.pop(0)
+            engine.add_request(str(i), p, params)
+        for out in engine.step():
+            if out.finished:
+                o = out.outputs[0]
+                done[int(out.request_id)] = (o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
+        step += 1
+    return done

@@ -23,6 +23,8 @@ from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
+from .conftest import run_staggered_logprobs
+
 
 # Four layers, mixers at 0 and 2, attention at 1 and 3; mamba chunk 8, so prompts span several chunks.
 HF_KW = dict(
@@ -72,16 +74,7 @@ def hf_greedy(hf, prompt: list[int]) -> tuple[list[int], list[float]]:
 
 def run_staggered(eng: LLMEngine, prompts, params=GREEDY, every: int = 2) -> list[tuple[list[int], list[float]]]:
     """One prompt every `every` steps while the others run; each one's (tokens, their logprobs)."""
-    pending, done, step = list(enumerate(prompts)), {}, 0
-    while pending or eng.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            eng.add_request(str(i), p, params)
-        for out in eng.step():
-            if out.finished:
-                o = out.outputs[0]
-                done[int(out.request_id)] = (o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
-        step += 1
+    done = run_staggered_logprobs(eng, prompts, params, every)
     return [done[i] for i in range(len(prompts))]
 
 

@@ -18,6 +18,8 @@ from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.speculative import SpeculativeConfig
 
+from .conftest import run_staggered_logprobs
+
 CFG = ModelConfig(
     vocab_size=64,
     hidden_size=32,
@@ -51,22 +53,6 @@ def test_the_draft_is_the_engines_model_cut_at_the_recorded_exit(checkpoints):
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8] * 11, [5] * 30, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-
-def run_staggered_logprobs(engine, prompts, params, every=2, until=None):
-    """run_staggered's schedule (one prompt every `every` steps), keeping each output's tokens and
-    logprobs; with `until`, stop after that many steps (sequences still running)."""
-    pending, done, step = list(enumerate(prompts)), {}, 0
-    while (pending or engine.has_unfinished_requests()) and step != until:
-        if pending and step % every == 0:
-            i, p = pending.pop(0)
-            engine.add_request(str(i), p, params)
-        for out in engine.step():
-            if out.finished:
-                o = out.outputs[0]
-                done[int(out.request_id)] = (o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)])
-        step += 1
-    return done
 
 
 def test_every_row_runs_the_layers_below_the_exit_once(checkpoints):

@@ -92,11 +92,18 @@ def load_shard(
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the tensors this rank holds (shared tensors counted once), packed CPU linears'
-    weights and biases included (kernels/linear_cpu.py holds them outside parameters and buffers)."""
+    """Bytes of the tensors this rank holds (shared tensors counted once). A packed CPU linear
+    (kernels/linear_cpu.py, held outside parameters and buffers) counts as its plain weight: MKL's
+    fp32 pack reserves more address space than it touches (~8 MB even for a tiny matrix), and
+    what is resident is the weight's own size."""
     seen, total = set(), 0
-    packed = [(m.packed.data, m.bias) for m in model.modules() if isinstance(m, PackedLinear)]
-    for t in list(model.parameters()) + list(model.buffers()) + [t for pair in packed for t in pair]:
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.out_features * m.in_features * m.packed.dtype.itemsize
+            if m.bias is not None and m.bias.data_ptr() not in seen:
+                seen.add(m.bias.data_ptr())
+                total += m.bias.numel() * m.bias.element_size()
+    for t in list(model.parameters()) + list(model.buffers()):
         if t is not None and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()

@@ -77,7 +77,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_cache_dtype: str = "auto"  # "int8" / "fp8": quantized KV pools (serve/quantization/kv_cache.py)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor/pipeline parallel (serve/parallel/)
-    early_exit_threshold: float | None = None  # CALM: leave at the first recorded exit this confident (serve/early_exit.py)
+    early_exit_threshold: float | None = (
+        None  # CALM: leave at the first recorded exit this confident (serve/early_exit.py)
+    )
 
     @property
     def streaming(self) -> bool:
@@ -476,7 +478,12 @@ class LLMEngine:
                 self._fail(req, "postprocess", e)
             row += nrows
         row_of = {s.seq_id: r for s, r in zip(targets, rows)}
-        sample_rows = lambda b: sample(logits[[row_of[s.seq_id] for s in b]], b)  # noqa: E731
+
+        def sample_rows(batch: list[Sequence]) -> list[SampleResult]:
+            index = [row_of[s.seq_id] for s in batch]  # usually every row in order: then no gather
+            same = len(index) == logits.shape[0] and index == list(range(len(index)))
+            return sample(logits if same else logits[index], batch)
+
         for seq, res in per_sequence("sample", targets, sample_rows, self.fault_injector, self._fail_seq):
             if not seq.is_finished:
                 try:

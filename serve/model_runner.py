@@ -269,8 +269,12 @@ class ModelRunner:
     def head(self, plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [rows, vocab], final hidden states [rows, hidden] when the plan asks) of the
         rows to sample. RMSNorm is per row, so only the sampled rows are normalised."""
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-        picked = self.model.model.final_norm(x[0][rows])
+        r = plan.sample_rows
+        if r and r[-1] - r[0] == len(r) - 1:  # consecutive rows (every row at decode): a view, no gather
+            picked = x[0, r[0] : r[-1] + 1]
+        else:
+            picked = x[0][torch.tensor(r, dtype=torch.long, device=self.device)]
+        picked = self.model.model.final_norm(picked)
         return self.model.compute_logits(picked), picked if plan.return_hidden else None
 
     def execute(

@@ -357,10 +357,32 @@ def _to_host(*ts: torch.Tensor) -> list[list[float]]:
     return out
 
 
+def _plain_greedy(seqs: list[Sequence]) -> bool:
+    """Every row takes the argmax of its raw logits: no penalty, logprobs or grammar changes it."""
+    return all(
+        s.params.greedy and s.params.logprobs is None and s.grammar is None and not _has_penalties(s.params)
+        for s in seqs
+    )
+
+
+def _greedy_tokens(logits: torch.Tensor) -> list[int] | None:
+    """The first maximum of each row, with one host copy and no float32 copy of the logits; None
+    when some row's maximum is not finite (NaN, +-inf), which the full path cleans first. Where
+    every maximum is finite, finite_logits changes nothing that argmax sees (NaN and -inf are
+    below it, and there is no +inf), so the tokens are the full path's."""
+    peak, arg = logits.max(-1)
+    host = torch.stack([arg.double(), peak.double()]).tolist()
+    if not all(math.isfinite(v) for v in host[1]):
+        return None
+    return [int(t) for t in host[0]]
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [len(seqs), vocab], on any device (the work stays there)."""
     if not seqs:
         return []
+    if _plain_greedy(seqs) and (ids := _greedy_tokens(logits)) is not None:  # the common serving case
+        return [SampleResult(t, None) for t in ids]
     raw = finite_logits(logits)  # a new tensor: the grammar masks it in place
     mask_logits(raw, seqs)  # structured outputs (serve/grammar.py); nothing when no row is constrained
     rows, vocab = raw.shape

@@ -281,3 +281,29 @@ def test_kv_cache_too_small_for_one_sequence_is_rejected(ckpt):
     engine = LLMEngine.from_checkpoint(ckpt, EngineConfig(num_kv_blocks=2, block_size=8))
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         engine.add_request("big", list(range(20)), SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_plain_greedy_rows_take_the_first_maximum_of_the_cleaned_logits(dtype):
+    """All-greedy batches take a fast path (argmax, one host copy); rows whose maximum is not
+    finite go through the full path. Either way: the first maximum after NaN -> -inf, +inf -> max."""
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(8, 64, generator=g) * 3).to(dtype)
+    logits[1, [4, 9, 30]] = logits[1].max() + 1  # a three-way tie: the first wins
+    logits[2, 7] = math.nan
+    logits[3, [5, 40]] = math.inf  # two +inf: the first
+    logits[4] = -math.inf
+    logits[4, 50] = 0.0
+    logits[5, ::2] = -math.inf
+
+    def expected(row: torch.Tensor) -> int:
+        x = [-math.inf if math.isnan(v) else min(v, 3.4028234663852886e38) for v in row.double().tolist()]
+        return x.index(max(x))
+
+    want = [expected(row) for row in logits]
+    plain = [_seq(SamplingParams(temperature=0)) for _ in range(8)]
+    assert [r.token_id for r in sample(logits, plain)] == want
+    finite = [0, 1, 4, 5, 6, 7]  # only finite maxima: the whole batch on the fast path
+    assert [r.token_id for r in sample(logits[finite], plain[:6])] == [want[i] for i in finite]
+    with_lp = [_seq(SamplingParams(temperature=0, logprobs=1)) for _ in range(8)]  # the full path
+    assert [r.token_id for r in sample(logits, with_lp)] == want

@@ -38,14 +38,15 @@ class RequestState:
             text = seq.output_text
             visible = text if seq.is_finished or hold == 0 else text[: max(len(emitted), len(text) - hold)]
             self.emitted_text[i] = visible
-            new_ids = seq.output_token_ids[self.reported_tokens[i] :]
-            self.reported_tokens[i] = seq.num_output_tokens
+            out_ids = seq.output_token_ids  # a new list (a slice): the output's own copy
+            new_ids = out_ids[self.reported_tokens[i] :]
+            self.reported_tokens[i] = len(out_ids)
             logprobs = list(seq.logprobs) if self.params.logprobs is not None else None
             outs.append(
                 CompletionOutput(
                     seq.index,
                     visible,
-                    list(seq.output_token_ids),
+                    out_ids,
                     seq.finish_reason,
                     seq.stop_reason,
                     logprobs,

@@ -227,14 +227,14 @@ class ModelRunner:
             self.attn.metadata = None
 
     @torch.inference_mode()
-    def _forward_late(
-        self, plan: StepPlan, scheduled: list[tuple[Sequence, int]], entries: dict[int, LateEntry], in_cache: bool
+    def forward_late(
+        self, plan: StepPlan, chunks: list[Chunk], entries: dict[int, LateEntry], in_cache: bool
     ) -> torch.Tensor:
         """The step's forward when some rows enter at entry_layer E: the other rows run layers < E
         as a sub-batch of their own (each chunk less its late rows, packed in the usual order),
         then every row's layer-E input, in the plan's row order, runs layers >= E in one pass."""
         low, late_rows, late_hidden, row = [], [], [], 0
-        for c in plan_chunks(scheduled)[0]:
+        for c in chunks:  # the plan's, in packing order
             e, m = entries.get(c.seq_id), 0
             if e is not None and self._entry_fits(e, c):
                 while m < len(c.tokens) and m < len(e.tokens) and e.tokens[m] == c.tokens[m]:
@@ -290,7 +290,10 @@ class ModelRunner:
             self._begin_states(scheduled)
         entries, self.late_entries = self.late_entries, {}
         try:
-            x = self._forward_late(plan, scheduled, entries, positions_in_cache) if entries else self.forward(plan)
+            if entries:
+                x = self.forward_late(plan, plan_chunks(scheduled)[0], entries, positions_in_cache)
+            else:
+                x = self.forward(plan)
         finally:
             self.num_executes += 1
         logits, hidden = self.head(plan, x)

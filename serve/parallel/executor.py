@@ -27,6 +27,7 @@ Workers ignore SIGTERM/SIGINT: the driver drains first, then stops them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -51,10 +52,19 @@ from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.common.checkpoint import read_config
 from baton.serve.parallel.comm import ShmGroup, pid_running, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
+from baton.serve.parallel.draft import draft_pass
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
 from baton.serve.sequence import Sequence
-from baton.serve.step_plan import StepPlan, TableReceiver, TableSender, plan_chunks, split_for_pipeline
+from baton.serve.step_plan import (
+    Chunk,
+    StepPlan,
+    TableReceiver,
+    TableSender,
+    WireStep,
+    plan_chunks,
+    split_for_pipeline,
+)
 
 log = logging.getLogger(__name__)
 # A spawned worker starts a Python and imports torch before it can join (seconds on a busy host):
@@ -226,19 +236,26 @@ def _tp_comm(setup: Setup, topo: Topology, device: torch.device):
 
 
 @torch.inference_mode()
-def _stage(runner: ModelRunner, plans: list[StepPlan], topo: Topology) -> tuple[list, list]:
+def _stage(
+    runner: ModelRunner, plans: list[StepPlan], topo: Topology, late: tuple[list[list[Chunk]], bool] | None = None
+) -> tuple[list, list]:
     """This rank's layers over every micro-batch, in order: from the embedding or the previous
     stage, to the next stage or the head. Returns (the driver's (logits, hidden) per micro-batch
-    when it is also the last stage, the sends still in flight)."""
+    when it is also the last stage, the sends still in flight). With LayerSkip's entries kept
+    (draft.py; T x 1 only), `late` is (each plan's chunks, positions_in_cache): rows enter at E."""
     shard, cfg = topo.shard, runner.model.config
     tp, pp_rank = shard.tp_rank, shard.pp_rank
     pending, results = [], []
-    for plan in plans:
+    entries, runner.late_entries = runner.late_entries, {}
+    for i, plan in enumerate(plans):
         x = None
         if not shard.first_stage:
             x = torch.empty(1, plan.num_tokens, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(x, src=(pp_rank - 1) * topo.tp + tp)
-        x = runner.forward(plan, x)
+        if entries and late is not None:
+            x = runner.forward_late(plan, late[0][i], entries, late[1])
+        else:
+            x = runner.forward(plan, x)
         if not shard.last_stage:
             pending.append((dist.isend(x, dst=(pp_rank + 1) * topo.tp + tp), x))
             continue
@@ -249,6 +266,7 @@ def _stage(runner: ModelRunner, plans: list[StepPlan], topo: Topology) -> tuple[
             for t in (logits, hidden) if plan.return_hidden else (logits,):
                 t = t.contiguous()
                 pending.append((dist.isend(t, dst=0), t))
+    runner.num_executes += 1  # an entry is for the step right after its draft only
     return results, pending
 
 
@@ -269,11 +287,11 @@ def _from_last_stage(runner: ModelRunner, plans: list[StepPlan], topo: Topology)
 
 
 def run_step(
-    runner: ModelRunner, plans: list[StepPlan], topo: Topology
+    runner: ModelRunner, plans: list[StepPlan], topo: Topology, late: tuple[list[list[Chunk]], bool] | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """This rank's part of one step; on the driver, each micro-batch's (logits, hidden) of the
     sampled rows."""
-    results, pending = _stage(runner, plans, topo)
+    results, pending = _stage(runner, plans, topo, late)
     if topo.rank == 0 and not topo.shard.last_stage:
         results = _from_last_stage(runner, plans, topo)
     for work, _ in pending:
@@ -299,13 +317,24 @@ def _receive(topo: Topology) -> tuple:
     return pickle.loads(payload.numpy().tobytes())
 
 
+def _chunks(wire: WireStep, tables: TableReceiver) -> list[Chunk]:
+    """A decoded step's chunks with their whole block tables, as the driver planned them."""
+    return [dataclasses.replace(c, block_table=tables.tables[c.seq_id]) for c in wire.chunks]
+
+
 def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
     tables = TableReceiver()
     while True:
         cmd = _receive(topo)
         kind = cmd[0]
         if kind == "step":
-            run_step(runner, [tables.decode(w, runner.block_size) for w in cmd[1]], topo)
+            plans = [tables.decode(w, runner.block_size) for w in cmd[1]]
+            late = None
+            if runner.late_entries:
+                late = ([_chunks(w, tables) for w in cmd[1]], cmd[1][0].positions_in_cache)
+            run_step(runner, plans, topo, late)
+        elif kind == "draft":
+            draft_pass(runner, tables.decode(cmd[1], runner.block_size), _chunks(cmd[1], tables), cmd[2], cmd[3])
         elif kind == "ops":
             runner.apply_block_ops(cmd[1])
         elif kind == "move":
@@ -553,17 +582,18 @@ class DistributedRunner:
         it. With P stages the engine keeps up to P steps submitted (max_in_flight), so the stages
         overlap across steps; a step run alone (execute) is cut into P micro-batches instead,
         which overlap within it."""
-        plans, wires, groups = [], [], []
+        plans, wires, groups, chunked = [], [], [], []
         flags = (positions_in_cache, window_in_cache, return_hidden)
         for part in split_for_pipeline(scheduled, micro_batches):
             chunks, part_groups = plan_chunks(part)
             plans.append(StepPlan.from_chunks(chunks, self.block_size, *flags))
             wires.append(self.tables.encode(chunks, *flags))
             groups += part_groups
+            chunked.append(chunks)
         with self._lock:
             number = self._command(("step", wires))
             try:
-                results, pending = _stage(self.local, plans, self.topo)
+                results, pending = _stage(self.local, plans, self.topo, (chunked, positions_in_cache))
             except Exception as e:
                 self._lost(f"the sharded forward failed ({e!r})")
             self.in_flight += 1
@@ -586,6 +616,32 @@ class DistributedRunner:
         logits = torch.cat([lg for lg, _ in results])
         hidden = torch.cat([h for _, h in results]) if step.return_hidden else None
         return ExecuteResult(logits, step.groups, hidden)
+
+    # ------------------------------------------------------------------------------ LayerSkip
+    @property
+    def can_enter_late(self) -> bool:
+        """LayerSkip's KV reuse (draft.py) needs layers < E and the LM head on every rank: T x 1."""
+        return self.topo.pp == 1
+
+    @property
+    def num_late_rows(self) -> int:
+        """Rows that entered at LayerSkip's exit layer so far (every rank counts the same)."""
+        return self.local.num_late_rows
+
+    def draft(self, chunks: list[Chunk], exit_layer: int, fresh: bool) -> torch.Tensor:
+        """One LayerSkip draft depth on every rank (one-token chunks, draft.py): the rows' logits
+        [rows, vocab]; each rank keeps the rows' layer-E inputs for the next step."""
+        if not self.can_enter_late:
+            raise ValueError("a LayerSkip draft on the ranks needs one pipeline stage")
+        plan = StepPlan.from_chunks(chunks, self.block_size)
+        with self._lock:
+            number = self._command(("draft", self.tables.encode(chunks, False, True, False), exit_layer, fresh))
+            try:
+                logits = draft_pass(self.local, plan, chunks, exit_layer, fresh)
+            except Exception as e:
+                self._lost(f"the sharded draft failed ({e!r})")
+            self._settle(number)
+        return logits
 
     def execute(
         self,

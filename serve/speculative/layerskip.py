@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from baton.common.checkpoint import read_config
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.serve.block_manager import BlockManager
@@ -91,37 +92,51 @@ class LayerSkipProposer(DraftProposer):
         self.cfg = cfg
         self.mirrors: dict[int, Sequence] = {}  # reuse: only the draft's sampling state (token ids, generator)
         self._ids = itertools.count()
-        self.reuse = model is not None and cfg.tree_width == 1
-        if self.reuse:
-            self.exit_layer = exit_layer_for(cfg, model.config)
-            self.runner: ModelRunner | None = None  # the engine's (bind)
-            self.bm: BlockManager | None = None
-            return
-        if model is None:  # a sharded engine: this process holds no model, so load it (only E layers run)
+        self._source = (model, model_dir, device, dtype)
+        if model is None and model_dir is None:
+            raise ValueError("speculative method 'layerskip' needs the model or its checkpoint directory")
+        mcfg = model.config if model is not None else read_config(model_dir)
+        self.exit_layer = exit_layer_for(cfg, mcfg)
+        self.reuse = cfg.tree_width == 1  # decided in bind, which sees the engine's runner
+        self.sharded = False  # reuse on a DistributedRunner: the ranks draft and keep the hidden states
+        self.runner: ModelRunner | None = None
+        self.bm: BlockManager | None = None
+        if not self.reuse:
+            self._build_mirror("a token tree")
+
+    def _build_mirror(self, why: str) -> None:
+        """The DraftProposer's own cache of layers < E (no KV reuse), on the engine's model or on
+        the checkpoint loaded in this process (a sharded engine's process holds no whole model)."""
+        model, model_dir, device, dtype = self._source
+        if model is None:
             from baton.common.checkpoint import load_checkpoint
 
-            if model_dir is None:
-                raise ValueError("speculative method 'layerskip' needs the model or its checkpoint directory")
             model = load_checkpoint(model_dir, device=device, dtype=dtype if dtype.is_floating_point else None).model
-        self.exit_layer = exit_layer_for(cfg, model.config)
         p = next(model.parameters())
         block_bytes = kv_block_bytes(model, BLOCK_SIZE, p.dtype, num_layers=self.exit_layer)
-        num_blocks = max(4, cfg.draft_kv_cache_bytes // block_bytes)
+        num_blocks = max(4, self.cfg.draft_kv_cache_bytes // block_bytes)
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching=False)
         self.runner = ModelRunner(model, num_blocks, BLOCK_SIZE, layers=range(self.exit_layer))
-        why = "a sharded engine" if cfg.tree_width == 1 else "a token tree"
         log.info("LayerSkip E=%d: %s drafts with a mirror KV cache of layers < E (no KV reuse)", self.exit_layer, why)
 
     def bind(self, runner, block_manager: BlockManager) -> None:
         if not self.reuse:
             return
-        if type(runner) is not ModelRunner:
-            raise ValueError("LayerSkip KV reuse needs the engine's own ModelRunner")
+        sharded = getattr(runner, "can_enter_late", None)  # a DistributedRunner's: True at T x 1
+        if type(runner) is not ModelRunner and sharded is None:
+            raise ValueError("LayerSkip KV reuse needs the engine's own ModelRunner or a DistributedRunner")
+        if sharded is False:
+            self.reuse = False
+            self._build_mirror("a pipeline-parallel engine (layers < E and the LM head are on different stages)")
+            return
+        self.sharded = bool(sharded)
         self.runner, self.bm = runner, block_manager
-        runner.entry_layer = self.exit_layer
+        if not self.sharded:
+            runner.entry_layer = self.exit_layer  # the ranks' runners take E with every draft command
         log.info(
-            "LayerSkip E=%d: the draft writes layers < E into the engine's KV cache, verification enters at E",
+            "LayerSkip E=%d: the draft writes layers < E into the engine's KV cache%s, verification enters at E",
             self.exit_layer,
+            " on every tensor rank" if self.sharded else "",
         )
 
     def _view(self, seq: Sequence) -> Sequence:
@@ -147,7 +162,6 @@ class LayerSkipProposer(DraftProposer):
         views = {s.seq_id: self._view(s) for s in live}
         hidden: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
-        final_norm, model = runner.model.model.final_norm, runner.model
         for depth in range(max(ks[s.seq_id] for s in live)):
             batch = [s for s in live if depth < ks[s.seq_id]]
             chunks = [
@@ -162,10 +176,15 @@ class LayerSkipProposer(DraftProposer):
                 )
                 for s in batch
             ]
-            x = runner.forward(StepPlan.from_chunks(chunks, bm.block_size), layers=range(E))[0]
-            tokens, q = self._draw(model.compute_logits(final_norm(x)), [views[s.seq_id] for s in batch])
+            if self.sharded:  # the ranks keep each row's layer-E input themselves (parallel/draft.py)
+                logits = runner.draft(chunks, E, fresh=depth == 0)
+            else:
+                x = runner.forward(StepPlan.from_chunks(chunks, bm.block_size), layers=range(E))[0]
+                logits = runner.model.compute_logits(runner.model.model.final_norm(x))
+                for i, s in enumerate(batch):
+                    hidden[s.seq_id].append(x[i])
+            tokens, q = self._draw(logits, [views[s.seq_id] for s in batch])
             for i, s in enumerate(batch):
-                hidden[s.seq_id].append(x[i])
                 views[s.seq_id].token_ids.append(tokens[i])
                 probs[s.seq_id].append(q[i])
         bs = bm.block_size
@@ -174,6 +193,8 @@ class LayerSkipProposer(DraftProposer):
             drafted = views[s.seq_id].token_ids[s.num_tokens - 1 :]  # the pending token, then d_1..d_k
             s.spec_token_ids = drafted[1:]
             s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
+            if self.sharded:
+                continue
             slots = [s.block_table[(first + i) // bs] * bs + (first + i) % bs for i in range(k)]
             runner.late_entries[s.seq_id] = LateEntry(
                 s.num_computed_tokens, drafted[:k], torch.stack(hidden[s.seq_id]), slots, runner.num_executes
@@ -201,5 +222,5 @@ class LayerSkipProposer(DraftProposer):
         if not self.reuse:
             return super().release(seq)
         self.mirrors.pop(seq.seq_id, None)
-        if self.runner is not None:
+        if self.runner is not None and not self.sharded:  # the ranks drop theirs with the next step
             self.runner.late_entries.pop(seq.seq_id, None)

@@ -4,7 +4,8 @@ hidden states each rank kept (serve/parallel/draft.py). Against plain decoding (
 tokens) and the single-process reuse path (the same proposals, acceptance and late rows; a seeded
 sampled request draws the same tokens, so the sampled path is the one test_speculative.py checks
 for distribution), with mixed-length prompts arriving at different steps, a shared prefix (prefix
-cache hits), chunked prefill and a pool small enough to preempt."""
+cache hits), chunked prefill and a pool small enough to preempt (by recompute, and by swap: the
+swapped sequences' entries no longer fit their slots). Pipeline stages keep the mirror draft."""
 
 from __future__ import annotations
 
@@ -45,12 +46,12 @@ def _workload(sampled: bool) -> list[Arrival]:
     return arrivals
 
 
-def _config(speculative: bool) -> EngineConfig:
+def _config(speculative: bool, preemption: str = "recompute") -> EngineConfig:
     return EngineConfig(
         num_kv_blocks=20,
         block_size=4,
         speculative=SpeculativeConfig("layerskip", 3) if speculative else None,
-        scheduler=SchedulerConfig(max_num_batched_tokens=24),
+        scheduler=SchedulerConfig(max_num_batched_tokens=24, preemption_mode=preemption),
     )
 
 
@@ -61,14 +62,15 @@ def model_dir(tmp_path_factory):
     return d
 
 
-def test_layerskip_reuses_the_draft_kv_on_tensor_parallel_ranks(model_dir):
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_layerskip_reuses_the_draft_kv_on_tensor_parallel_ranks(model_dir, preemption):
     want = tokens(drive(LLMEngine.from_checkpoint(model_dir, _config(False)), _workload(False)))
-    single = LLMEngine.from_checkpoint(model_dir, _config(True))
+    single = LLMEngine.from_checkpoint(model_dir, _config(True, preemption))
     ref = tokens(drive(single, _workload(True)))
     assert {k: v for k, v in ref.items() if k != "seeded"} == want
     assert single.scheduler.num_preemptions > 0 and single.block_manager.prefix_hits > 0
     assert single.speculative.stats.accepted > 0 and single.runner.num_late_rows > 0
-    with sharded(model_dir, _config(True), "T2") as llm:
+    with sharded(model_dir, _config(True, preemption), "T2") as llm:
         engine = llm.engine
         got = tokens(drive(engine, _workload(True)))
         runner = check_really_sharded(engine, "T2", weight_bytes(single.model))
@@ -79,3 +81,15 @@ def test_layerskip_reuses_the_draft_kv_on_tensor_parallel_ranks(model_dir):
     assert preempted == single.scheduler.num_preemptions > 0
     assert stats == single.speculative.stats
     assert late == single.runner.num_late_rows > 0  # the reuse path ran, for the very rows it ran for in one process
+
+
+def test_layerskip_keeps_the_mirror_draft_on_pipeline_stages(model_dir):
+    """P=2: layers < E and the LM head are on different stages, so the draft is the mirror (the
+    checkpoint's first E layers in the driver, their own cache): exact, and nothing enters late."""
+    want = tokens(drive(LLMEngine.from_checkpoint(model_dir, _config(False)), _workload(False)))
+    with sharded(model_dir, _config(True), "P2") as llm:
+        got = tokens(drive(llm.engine, _workload(False)))
+        proposer = llm.engine.speculative.proposer
+        assert not proposer.reuse and not proposer.sharded and proposer.runner is not llm.engine.runner
+        assert llm.engine.runner.num_late_rows == 0 and llm.engine.speculative.stats.accepted > 0
+    assert got == want

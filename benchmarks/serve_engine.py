@@ -9,6 +9,11 @@
   6. StreamingLLM: KV blocks and per-token time over a stream 10x the model's context
 
 Usage: python benchmarks/serve_engine.py [--quick]   (writes benchmarks/results/serve_engine.{json,png})
+
+`--step-phases [--dtype fp32|bf16] [--baton-src DIR]`: instead, where one engine step's time goes
+at batch 1/16/64 decode (context ~100) on serve_vs_vllm.py's 25M Llama: forward, LM head, sampler,
+and the rest of the engine's Python (schedule, step plan, postprocess, outputs); --baton-src runs
+the `baton` of another checkout (a worktree of an older commit: before/after in one run).
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+if "--baton-src" in sys.argv:  # another checkout's baton, installed before anything imports baton
+    from serve_vs_vllm import install_baton_source  # (this folder)
+
+    install_baton_source(sys.argv[sys.argv.index("--baton-src") + 1])
 
 import torch
 
@@ -167,11 +178,72 @@ def streaming_run(tmp: Path, quick: bool) -> list[dict]:
     return rows
 
 
+def step_phases(dtype: str, batches=(1, 16, 64), steps: int = 30) -> dict:
+    """ms per phase of LLMEngine.step, the faster half of `steps` decode steps per batch size."""
+    import collections
+    import functools
+
+    import serve_vs_vllm  # (this folder) its 25M checkpoint and limits
+
+    import baton.serve.engine as engine_module
+
+    ckpt = serve_vs_vllm.write_checkpoint(Path(tempfile.gettempdir()) / "baton-step-phases", "25M", dtype)
+    sched = SchedulerConfig(**serve_vs_vllm.LIMITS)
+    config = EngineConfig(kv_cache_bytes=2**30, enable_prefix_caching=False, scheduler=sched)
+    engine = LLMEngine.from_checkpoint(ckpt, config, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+    times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(obj, name: str) -> None:
+        f = getattr(obj, name)
+
+        @functools.wraps(f)
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                times[name].append(time.perf_counter() - t)
+
+        setattr(obj, name, g)
+
+    timed(engine.runner, "forward")  # (builds the step's tensors too)
+    timed(engine.runner, "head")
+    timed(engine_module, "sample")
+    timed(engine, "step")
+    rng, out = random.Random(0), {}
+    for b in batches:
+        for i in range(b):
+            prompt = [rng.randrange(serve_vs_vllm.VOCAB) for _ in range(100)]
+            engine.add_request(f"{b}-{i}", prompt, SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True))
+        running = engine.scheduler.running
+        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in running):
+            engine.step()
+        for _ in range(3):
+            engine.step()
+        times.clear()
+        for _ in range(steps):
+            engine.step()
+        fast = sorted(range(steps), key=lambda i: times["step"][i])[: steps // 2]
+        ms = {k: sum(v[i] for i in fast) / len(fast) * 1e3 for k, v in times.items()}
+        ms["engine_python"] = ms["step"] - ms["forward"] - ms["head"] - ms["sample"]
+        out[b] = ms
+        print(f"{dtype} batch {b}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ms.items()), flush=True)
+        for rid in list(engine.requests):
+            engine.abort_request(rid)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller workloads (smoke run)")
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--step-phases", action="store_true", help="only: where one step's time goes (25M model)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--baton-src", help="with --step-phases: import baton from this checkout")
     args = ap.parse_args()
+    if args.step_phases:  # (--baton-src was installed at import)
+        step_phases(args.dtype)
+        return
     torch.manual_seed(0)
     n_req = 40 if args.quick else args.requests
     tmp = Path(tempfile.mkdtemp(prefix="baton-bench-"))

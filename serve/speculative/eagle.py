@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from baton.common.model import fuse_residual_norms
 from baton.kernels.linear_cpu import pack_linears
 from baton.serve.fusion import fuse_projections
@@ -131,9 +130,9 @@ class EagleProposer(Proposer):
     # ------------------------------------------------------------------------ one head pass
     def _pass(self, items: list[tuple]) -> torch.Tensor:
         """items: per sequence (context K, context V, visibility [n, C] of the context per new
-        row, feats [n, H], next tokens [n], positions [n], causal among the new rows?). Returns
+        row or None (all of it), feats [n, H], next tokens [n], positions [n], causal among the new rows?). Returns
         the new rows' outputs [B, N, H]; self._new_kv holds their K/V [B, N, Hkv, D]."""
-        if len(items) == 1 and items[0][3].shape[0] == 1 and bool(items[0][2].all()):
+        if len(items) == 1 and items[0][2] is None and items[0][3].shape[0] == 1:
             # one row seeing its whole context (a chain at batch 1): no padding, no mask
             ck, cv, _, feats, toks, pos, _ = items[0]
             attn = _Rows(ck[None], cv[None], None)
@@ -145,7 +144,7 @@ class EagleProposer(Proposer):
         mask = torch.zeros(len(items), n, c + n, dtype=torch.bool)
         for b, (ck, _, vis, feats, _, _, causal) in enumerate(items):
             m, cl = feats.shape[0], ck.shape[0]
-            mask[b, :m, :cl] = vis
+            mask[b, :m, :cl] = True if vis is None else vis
             own = torch.ones(m, m, dtype=torch.bool).tril() if causal else torch.eye(m, dtype=torch.bool)
             mask[b, :m, c : c + m] = own
             mask[b, m:, c + m :] |= torch.eye(n - m, dtype=torch.bool)  # padding sees itself
@@ -176,7 +175,7 @@ class EagleProposer(Proposer):
             m = feats.shape[0]
             toks = torch.tensor(s.token_ids[first + 1 : first + 1 + m], device=self.device)
             pos = torch.arange(first, first + m, device=self.device)
-            items.append((ck, cv, torch.ones(m, ck.shape[0], dtype=torch.bool), feats, toks, pos, True))
+            items.append((ck, cv, None, feats, toks, pos, True))
             live.append((s, c, m))
         if not live:
             return
@@ -204,38 +203,50 @@ class EagleProposer(Proposer):
         return int(torch.multinomial(q, 1, generator=self.generators.get(s.seq_id))), q
 
     def _chains(self, live, roots: list[torch.Tensor], ks: dict[int, int]) -> None:
+        """k head passes, each over one row per sequence that still drafts. Greedy batches keep the
+        drafted tokens as tensors (the argmax of the batch's logits, fed straight to the next pass)
+        and convert once at the end; every row sees its whole context, so no masks are built."""
+        greedy = all(s.params.greedy for s, _, _ in live)
         logits = self.head.logits(torch.stack(roots))
-        state = []  # per sequence: [tokens], [probs], [draft K], [draft V], last output
-        for b, (s, c, _) in enumerate(live):
-            tok, q = self._sample(s, logits[b])
-            state.append(([tok], [q], [], [], roots[b]))
-        for depth in range(1, max(ks[s.seq_id] for s, _, _ in live)):
+        ctx = [(c.k, c.v) for _, c, _ in live]  # per sequence: the cache, then its drafted rows
+        last = roots
+        if greedy:
+            drafted = [logits.argmax(-1)]  # [B] per depth
+        else:
+            first = [self._sample(s, logits[b]) for b, (s, _, _) in enumerate(live)]
+            toks, probs = [[t] for t, _ in first], [[q] for _, q in first]
+        depth_k = max(ks[s.seq_id] for s, _, _ in live)
+        for depth in range(1, depth_k):
             step = [b for b, (s, _, _) in enumerate(live) if depth < ks[s.seq_id]]
             if not step:
                 break
             items = []
-            for b in step:
-                s, c, _ = live[b]
-                toks, _, dk, dv, last = state[b]
-                ck, cv = torch.cat([c.k, *dk]), torch.cat([c.v, *dv])
-                pos = torch.tensor([s.num_tokens - 1 + depth - 1], device=self.device)
-                tok = torch.tensor([toks[-1]], device=self.device)
-                items.append((ck, cv, torch.ones(1, ck.shape[0], dtype=torch.bool), last[None], tok, pos, True))
+            for i, b in enumerate(step):
+                s = live[b][0]
+                pos = torch.full((1,), s.num_tokens - 2 + depth, device=self.device)
+                tok = drafted[-1][b : b + 1] if greedy else torch.tensor(toks[b][-1:], device=self.device)
+                items.append((*ctx[b], None, last[b][None], tok, pos, True))
             out = self._pass(items)
             nk, nv = self._new_kv
             logits = self.head.logits(out[:, 0])
+            if greedy:
+                nxt = logits.argmax(-1)
+                if len(step) < len(live):  # the sequences done drafting keep their last token
+                    nxt = drafted[-1].index_copy(0, torch.tensor(step, device=self.device), nxt)
+                drafted.append(nxt)
+            last = list(last)
             for i, b in enumerate(step):
-                toks, probs, dk, dv, _ = state[b]
-                tok, q = self._sample(live[b][0], logits[i])
-                toks.append(tok)
-                probs.append(q)
-                dk.append(nk[i, :1])
-                dv.append(nv[i, :1])
-                state[b] = (toks, probs, dk, dv, out[i, 0])
+                ctx[b] = (torch.cat([ctx[b][0], nk[i, :1]]), torch.cat([ctx[b][1], nv[i, :1]]))
+                last[b] = out[i, 0]
+                if not greedy:
+                    tok, q = self._sample(live[b][0], logits[i])
+                    toks[b].append(tok)
+                    probs[b].append(q)
+        if greedy:
+            toks = torch.stack(drafted, 1).tolist()  # [B, depth]: the one host conversion
         for b, (s, _, _) in enumerate(live):
-            toks, probs = state[b][0], state[b][1]
-            s.spec_token_ids = toks[: ks[s.seq_id]]
-            s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[: ks[s.seq_id]])
+            s.spec_token_ids = toks[b][: ks[s.seq_id]]
+            s.spec_draft_probs = None if greedy else torch.stack(probs[b][: ks[s.seq_id]])
 
     def _trees(self, live, roots: list[torch.Tensor], ks: dict[int, int]) -> None:
         """EAGLE-2: expand the `tree_width` best nodes of each depth by cumulative draft probability."""

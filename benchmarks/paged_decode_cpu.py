@@ -27,6 +27,8 @@ BLOCK = 16
 def lengths(mix: str, batch: int, rng: random.Random) -> list[int]:
     if mix == "mixed":  # log-normal, like the serving benchmark's prompts + outputs
         return [min(4096, max(1, int(rng.lognormvariate(4.6, 0.9)))) for _ in range(batch)]
+    if mix == "30-220":  # the serving benchmark's decode contexts (prompts 16-160 + outputs 8-64)
+        return [rng.randint(30, 220) for _ in range(batch)]
     return [int(mix)] * batch
 
 
@@ -71,9 +73,9 @@ def main() -> None:
     rng = random.Random(0)
     ceiling = copy_ceiling_gbs()
     batches = (1, 16, 64) if args.quick else (1, 4, 16, 64, 256)
-    mixes = ("mixed", "512") if args.quick else ("64", "512", "2048", "mixed")
+    mixes = ("30-220", "mixed", "512") if args.quick else ("30-220", "64", "512", "2048", "mixed")
     rows = []
-    for heads, head_dim in (((8, 4), 32), ((32, 8), 128)):
+    for heads, head_dim in (((8, 2), 64), ((8, 4), 32), ((32, 8), 128)):  # 25M model; char model; 7B-like
         for mix in mixes:
             for batch in batches:
                 lens = lengths(mix, batch, rng)

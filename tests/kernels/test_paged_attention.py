@@ -65,8 +65,8 @@ def test_cpu_kernels_build_and_dispatch_uses_them():
     "heads,head_dim,block_size", [((4, 4), 32, 16), ((8, 2), 64, 8), ((8, 1), 128, 16), ((6, 3), 48, 4)]
 )
 def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
-    """The C++ kernel (fixed-size loops for head_dim 32/64/128, a generic one for 48) and the torch
-    bucketing path, on MHA/GQA/MQA with lengths from 0 to past 2 x 250, against the reference."""
+    """The C++ kernel (its AVX-512 path for head_dim 32/64/128 where the CPU has it, with pages of 4
+    and 8 tokens cutting its 16-token chunks; the portable loops for 48) and the torch bucketing path, on MHA/GQA/MQA with lengths from 0 to past 2 x 250, against the reference."""
     lens = LENS + [600, 3, 251, 499]
     q, k_cache, v_cache, tables, ctx = _decode_case(torch.float32, lens, heads, head_dim, block_size)
     q = torch.randn(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)  # not contiguous

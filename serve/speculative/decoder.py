@@ -17,7 +17,7 @@ from baton.serve.block_manager import BlockManager
 from baton.serve.faults import FaultInjector, SequenceFailure, per_sequence
 from baton.serve.grammar import mask_row
 from baton.serve.model_runner import ModelRunner
-from baton.serve.sampler import SampleResult, logprobs_of, target_distribution
+from baton.serve.sampler import SampleResult, _has_penalties, logprobs_of, target_distribution, target_distributions
 from baton.serve.sequence import Sequence
 from baton.serve.speculative.config import AdaptiveK, SpecStats, SpeculativeConfig
 from baton.serve.speculative.proposers import Proposer
@@ -109,13 +109,20 @@ class SpeculativeDecoder:
         for i, parent in enumerate(parents):
             children.setdefault(parent, []).append(i)
         logits = logits.float().cpu()
+        # without a grammar or penalties a row's distribution does not depend on the tokens kept
+        # before it along the path: every row's at once, one sampler call instead of one per row
+        rows = (
+            None
+            if seq.grammar is not None or _has_penalties(seq.params)
+            else target_distributions(logits, [seq] * len(logits))
+        )
         root_slot_index = seq.num_computed_tokens - seq.num_evicted_tokens
         seq.num_computed_tokens += 1  # the last real token's K/V is now cached
         node, path = -1, []
         while True:
             kids = children.get(node, [])
             row = mask_row(logits[node + 1], seq)  # structured outputs: the grammar's mask here
-            p = target_distribution(row, seq)
+            p = target_distribution(row, seq) if rows is None else rows[node + 1]
             q = draft_probs[kids] if draft_probs is not None and kids else None
             token, idx = choose(p, [proposals[i] for i in kids], q, seq.generator, seq.params.greedy)
             append(SampleResult(token, logprobs_of(row, token, seq.params.logprobs)))

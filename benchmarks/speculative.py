@@ -19,6 +19,7 @@ Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/s
        python benchmarks/speculative.py --target runs/demo/handoff --draft runs/demo-draft/handoff --name speculative-demo
          (the README demo model after configs/demo-draft.yaml, demo-medusa.yaml and demo-eagle.yaml)
        python benchmarks/speculative.py --quick --demo-target runs/demo/handoff --demo-draft runs/demo-draft/handoff
+         [--demo-layerskip runs/demo-layerskip/handoff]
          (the char model and the demo model in one run and one table; --only eagle,medusa for a subset)
        --alone-realtime (root): once the models are trained or loaded from the cache, measure under
          SCHED_FIFO (serve_threads.realtime): alone on the cores of a shared machine; it starves the
@@ -280,6 +281,11 @@ def main() -> None:
     )
     ap.add_argument("--demo-draft", help="the draft checkpoint for --demo-target")
     ap.add_argument(
+        "--demo-layerskip",
+        help="with --demo-target: the demo model's LayerSkip-trained copy (configs with early exits); "
+        "its LayerSkip and CALM rows against its own plain decoding",
+    )
+    ap.add_argument(
         "--alone-realtime",
         action="store_true",
         help="measure under SCHED_FIFO (root), after training: alone on the cores of a shared machine",
@@ -288,6 +294,8 @@ def main() -> None:
     only = tuple(args.only.split(",")) if args.only else ()
     if args.demo_target and not args.demo_draft:
         ap.error("--demo-target needs --demo-draft")
+    if args.demo_layerskip and not args.demo_target:
+        ap.error("--demo-layerskip needs --demo-target")
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -318,9 +326,9 @@ def main() -> None:
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit
 
-    groups = [("char", target, selected(modes(draft), only), "plain", workloads)]
-    quality: dict = {}
-    if not only or any(p.startswith(("layerskip", "calm")) for p in only):
+    groups = [("char", target, selected(modes(draft), only), "plain", workloads, {})]
+    wants_ls = not only or any(p.startswith(("layerskip", "calm")) for p in only)
+    if wants_ls:
         if args.smoke:
             ls_target = early_exit.smoke_target(target, args.out / "smoke-models" / "layerskip")
         else:
@@ -330,15 +338,20 @@ def main() -> None:
         heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
         quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
         ls_modes = selected(early_exit.modes(ls_target), only, "plain (layerskip-trained)")
-        groups.append(("char", ls_target, ls_modes, "plain (layerskip-trained)", workloads))
+        groups.append(("char", ls_target, ls_modes, "plain (layerskip-trained)", workloads, quality))
     if args.demo_target:  # the same modes and settings on the demo model, in the same run
         from baton.common.corpus import default_corpus_text
 
         demo_prompts = prompt_sets(default_corpus_text(), 8)
-        groups.append(
-            ("demo", Path(args.demo_target), selected(modes(Path(args.demo_draft)), only), "plain", demo_prompts)
-        )
-    for model, group_target, group_modes, base, group_workloads in groups:
+        demo_modes = selected(modes(Path(args.demo_draft)), only)
+        groups.append(("demo", Path(args.demo_target), demo_modes, "plain", demo_prompts, {}))
+        if args.demo_layerskip and wants_ls:  # the demo model's LayerSkip copy, with its own CALM quality
+            ls_demo = Path(args.demo_layerskip)
+            held = Tokenizer.from_dir(ls_demo).encode(default_corpus_text()[-3000:])[:400]
+            demo_quality = early_exit.quality(ls_demo, demo_prompts[0][1], max_tokens, held)
+            ls_modes = selected(early_exit.modes(ls_demo), only, "plain (layerskip-trained)")
+            groups.append(("demo", ls_demo, ls_modes, "plain (layerskip-trained)", demo_prompts, demo_quality))
+    for model, group_target, group_modes, base, group_workloads, quality in groups:
         for workload, prompts in group_workloads:
             for batch in (1, 2) if args.smoke else (1, 8):
                 runs = median_runs(group_target, group_modes, prompts, max_tokens, batch, args.repeats)

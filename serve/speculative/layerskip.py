@@ -20,10 +20,19 @@ rows run layers >= E together. Rejected proposals' slots are trimmed or overwrit
 verification; a preempted, truncated or re-slotted sequence simply runs from the embedding (an entry
 is used only in the next forward, for the same tokens at the same slots).
 
-A sharded engine (its process holds no model: the checkpoint is loaded for the draft) and token
-trees (tree_width > 1) keep the DraftProposer mirror (proposers.py): a paged cache of layers < E of
-the draft's own, rolled back after each verification, which must also prefill every prompt through
-layers < E, and a verification that recomputes layers < E for the k proposals.
+A tensor-parallel engine (DistributedRunner, T x 1) reuses the KV the same way on every rank
+(serve/parallel/draft.py): each draft depth is one small command (the one-token chunks and their
+block-table deltas); every rank runs its shard of layers < E into its own paged cache, the
+vocab-parallel head gives the driver the logits to draw from, and each rank keeps the rows'
+layer-E inputs (replicated: every layer ends in an all-reduce) as its runner's LateEntries, so the
+verification step runs ModelRunner.forward_late on every rank - no hidden state crosses a process,
+and the fallback for a stale entry is the same _entry_fits check on every rank.
+
+Pipeline-parallel engines (layers < E and the LM head are on different stages) and token trees
+(tree_width > 1) keep the DraftProposer mirror (proposers.py), logged at start: a paged cache of
+layers < E of the draft's own, rolled back after each verification, which must also prefill every
+prompt through layers < E, and a verification that recomputes layers < E for the k proposals; a
+pipeline-parallel engine's process holds no whole model, so the checkpoint is loaded for it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 writing its K/V into the engine's own cache, which the verification reuses (rows enter at layer
 E); a depth to draft from is required before a server binds its port. Exactness (greedy with
 preemption and prefix caching, the sampled distribution, T=2) is in test_speculative.py and
-parallel/test_parallel_speculative.py with the other methods."""
+parallel/test_parallel_speculative.py with the other methods; the reuse on tensor-parallel ranks
+(and P=2's mirror) in parallel/test_parallel_layerskip.py."""
 
 from __future__ import annotations
 

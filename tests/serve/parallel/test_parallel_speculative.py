@@ -19,7 +19,7 @@ from .test_parallel_features import LOOP, _plain, model_dir  # noqa: F401 (fixtu
 GROUPS = {
     "lookahead": lambda d: SpeculativeConfig("lookahead", lookahead_window=3, lookahead_ngram=3, lookahead_guesses=3),
     "draft-tree": lambda d: SpeculativeConfig("draft", 3, draft_model=str(d / "draft"), tree_width=2, tree_nodes=6),
-    # the engine process holds no model under T=2: the draft's first layer comes from the checkpoint
+    # under T=2 the ranks draft with their shards of the first layer, into their own caches (KV reuse)
     "layerskip": lambda d: SpeculativeConfig("layerskip", 3, exit_layer=1),
 }
 

@@ -6,7 +6,8 @@ same 64 mixed requests (prompts 16-160 tokens, outputs 8-64, greedy, ignore_eos)
 model sizes. Each side runs in its own process (a small driver: this file with --driver), which
 loads the model once, runs the workload once to warm up, then `--repeats` timed runs; the rounds
 alternate the sides (interleaved), so both see the same load. Reported: the best run (throughput,
-output tokens/s), the start-up time (process start to a ready LLM), decode tokens/s at batch 1, 16
+output tokens/s), prefill alone (the same 64 prompts, one output token each: prompt tokens/s,
+best run), the start-up time (process start to a ready LLM), decode tokens/s at batch 1, 16
 and 64 (generating 1+N tokens minus generating 1, over b*N tokens: the prefill cancels out), the
 batch-64 decode against the matmul ceiling of this CPU measured in the same run (2 * matmul
 parameters FLOPs a token), and whether fp32 greedy outputs equal vLLM's request by request (and
@@ -85,6 +86,12 @@ def run_job(llm, generate, job: dict) -> dict:
         out["runs_s"].append(time.perf_counter() - t)
     out["outputs"] = tokens
     out["output_tokens"] = sum(len(t) for t in tokens)
+    prompts, best = [(p, 1) for p, _ in work], float("inf")  # prefill alone: the same prompts, one token each
+    for _ in range(job["repeats"]):
+        t = time.perf_counter()
+        generate(llm, prompts)
+        best = min(best, time.perf_counter() - t)
+    out["prefill_tok_per_s"] = sum(len(p) for p, _ in work) / best
     rng = random.Random(1)
     n = job["decode_tokens"]
     for b in job["decode_batches"]:
@@ -307,6 +314,7 @@ def summarise(cell: dict, sides: list[str], params: int, ceiling: dict, dtype: s
         s[side] = {
             "best_tok_per_s": tok,
             "startup_s": min(r["startup_s"] for r in runs),
+            "prefill_tok_per_s": max(r["prefill_tok_per_s"] for r in runs),
             "decode_tok_per_s": dec,
             "decode64_fraction_of_ceiling": dec.get("64", 0) * 2 * params / 1e9 / gflops if "64" in dec else None,
         }
@@ -316,12 +324,13 @@ def summarise(cell: dict, sides: list[str], params: int, ceiling: dict, dtype: s
 def table(results: dict) -> str:
     sides = results["sides"]
     head = "| model, dtype | " + " | ".join(f"{s} tok/s" for s in sides)
-    head += " | Baton/vLLM | batch-1 decode Baton/vLLM | batch-64 decode % of ceiling | start-up s | fp32 = vLLM | fp32 = HF |"
+    head += " | Baton/vLLM | prefill prompt tok/s | batch-1 decode Baton/vLLM | batch-64 decode % of ceiling | start-up s | fp32 = vLLM | fp32 = HF |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, cell in results["cells"].items():
         s = cell["summary"]
         vs = [f"{s[x]['best_tok_per_s']:.0f}" for x in sides]
         ratio = b1 = "-"
+        pre = " / ".join(f"{x} {s[x]['prefill_tok_per_s']:.0f}" for x in sides)
         if "vllm" in s:
             ratio = f"{s['baton']['best_tok_per_s'] / s['vllm']['best_tok_per_s']:.2f}x"
             b1 = f"{s['baton']['decode_tok_per_s']['1'] / s['vllm']['decode_tok_per_s']['1']:.2f}x"
@@ -329,7 +338,7 @@ def table(results: dict) -> str:
         start = " / ".join(f"{s[x]['startup_s']:.1f}" for x in sides)
         eq = cell.get("fp32_equal_vllm", "-")
         hf = cell.get("fp32_equal_hf", "-")
-        lines.append(f"| {key} | " + " | ".join(vs) + f" | {ratio} | {b1} | {ceil} | {start} | {eq} | {hf} |")
+        lines.append(f"| {key} | " + " | ".join(vs) + f" | {ratio} | {pre} | {b1} | {ceil} | {start} | {eq} | {hf} |")
     return "\n".join(lines)
 
 

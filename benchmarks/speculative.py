@@ -14,7 +14,12 @@ LayerSkip-trained copy of the target (benchmarks/early_exit.py, with CALM's qual
 with full-depth greedy, held-out perplexity). Acceptance is also reported per tree depth (share of
 the passes proposing depth d whose accepted path reached it).
 
+Every row's greedy tokens are asserted equal to its plain baseline's (CALM's, not exact, are not),
+and each row reports its engine step time (ms/step: a decode step, or one propose + verify pass).
+
 Usage: python benchmarks/speculative.py [--quick]   (writes benchmarks/results/speculative.{json,png})
+       python benchmarks/speculative.py --deep [--quick] --no-sweep   (speculative-deep.{json,png}: a 16-layer
+         hidden-128 char target, EAGLE's design point, with its own draft, Medusa and EAGLE head)
        python benchmarks/speculative.py --smoke    (tiny random models, one short round: that it runs)
        python benchmarks/speculative.py --target runs/demo/handoff --draft runs/demo-draft/handoff --name speculative-demo
          (the README demo model after configs/demo-draft.yaml, demo-medusa.yaml and demo-eagle.yaml)
@@ -46,13 +51,24 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SHAKESPEARE = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
 
 
-def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
+# The char target's shapes. "wide" is the table's 6-layer model, where a one-layer EAGLE head or
+# draft costs ~1/6 of a target step; "deep" is EAGLE's design point scaled down to this CPU (a
+# 32-80-layer target, whose head is 1-3% of a step): 16 narrow layers, a head 1/16 of the target.
+TARGETS = {
+    "wide": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6, "num_attention_heads": 8},
+    "deep": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 16, "num_attention_heads": 4},
+}
+
+
+def train_models(out: Path, quick: bool, shape: str = "wide") -> tuple[Path, Path, str]:
     from baton.train.config import config_from_dict
     from baton.train.medusa import MedusaTrainConfig, train_medusa
     from baton.train.trainer import train
 
     corpus = str(SHAKESPEARE) if SHAKESPEARE.is_file() else None
-    steps = 150 if quick else 600
+    # a deep target's training step costs ~3x the wide one's on this CPU (per-layer dispatch); 300 keeps
+    # its training, distillation and heads to about half an hour of one shared core
+    steps = 150 if quick else 300 if shape == "deep" else 600
     common = {
         "data": {"path": corpus, "seq_len": 128, "val_fraction": 0.05},
         "micro_batch_size": 12,
@@ -68,14 +84,7 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                     "out_dir": str(target),
                     "max_steps": steps,
                     "tokenizer": {"kind": "char"},
-                    "model": {
-                        "hidden_size": 256,
-                        "intermediate_size": 688,
-                        "num_hidden_layers": 6,
-                        "num_attention_heads": 8,
-                        "num_key_value_heads": 2,
-                        "max_position_embeddings": 512,
-                    },
+                    "model": {**TARGETS[shape], "num_key_value_heads": 2, "max_position_embeddings": 512},
                 }
             )
         )
@@ -123,7 +132,7 @@ def train_models(out: Path, quick: bool) -> tuple[Path, Path, str]:
                 lr=2e-3,
             )
         )
-    train_eagle_head(target / "handoff", distilled, 300 if quick else 600)
+    train_eagle_head(target / "handoff", distilled, 300 if quick else 400 if shape == "deep" else 600)
     text = SHAKESPEARE.read_text() if SHAKESPEARE.is_file() else ""
     return target / "handoff", draft / "handoff", text
 
@@ -204,23 +213,27 @@ def run(target: Path, spec, prompts: list[str], max_tokens: int, batch: int) -> 
         EngineConfig(num_kv_blocks=2048, block_size=16, scheduler=SchedulerConfig(max_num_seqs=batch), **extra),
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    wall, tokens, latencies = 0.0, 0, []
+    wall, tokens, latencies, steps, outputs = 0.0, 0, [], 0, {}
     for g in range(0, len(prompts), batch):
         for i, p in enumerate(prompts[g : g + batch]):
             engine.add_request(f"{g}-{i}", p, params)
         engine.step()  # prefill outside the timed region
         t = time.perf_counter()
         while engine.has_unfinished_requests():
+            steps += 1
             for out in engine.step():
                 if out.finished:
                     latencies.append((time.perf_counter() - t) / max_tokens)
                     tokens += len(out.outputs[0].token_ids)
+                    outputs[out.request_id] = list(out.outputs[0].token_ids)
         wall += time.perf_counter() - t
     s = engine.stats()
     by_depth = engine.speculative.stats.acceptance_by_depth if engine.speculative is not None else []
     return {
         "tokens_per_s": tokens / wall,
         "ms_per_token": 1e3 * sum(latencies) / len(latencies),
+        "ms_per_step": 1e3 * wall / steps,  # an engine step: one decode, or one propose + verify pass
+        "outputs": outputs,
         "acceptance_rate": s.spec_acceptance_rate,
         "mean_accepted_length": s.spec_mean_accepted_length,
         "acceptance_by_depth": by_depth,
@@ -244,6 +257,8 @@ def selected(spec_modes: dict, only: tuple[str, ...], base: str = "plain") -> di
 
 
 REPEATS = 3
+# --deep's rows: EAGLE chains and a tree against the other learned proposers' chains
+DEEP_ONLY = ("draft k=4", "draft k=6", "medusa k=3", "eagle k=4", "eagle k=6", "eagle tree k=4")
 SWEPT = ("ngram k=4", "draft k=4", "draft k=6", "medusa k=3")
 
 
@@ -286,12 +301,23 @@ def main() -> None:
         "its LayerSkip and CALM rows against its own plain decoding",
     )
     ap.add_argument(
+        "--deep",
+        action="store_true",
+        help="the deep narrow char target instead (16 layers, hidden 128: EAGLE's design point, a head ~1/16 of a "
+        "step), trained and cached under spec-models/deep with its own draft, Medusa and EAGLE heads; its rows "
+        "default to --only " + ",".join(DEEP_ONLY),
+    )
+    ap.add_argument(
         "--alone-realtime",
         action="store_true",
         help="measure under SCHED_FIFO (root), after training: alone on the cores of a shared machine",
     )
     args = ap.parse_args()
-    only = tuple(args.only.split(",")) if args.only else ()
+    only = tuple(args.only.split(",")) if args.only else DEEP_ONLY if args.deep else ()
+    if args.deep and (args.target or args.smoke):
+        ap.error("--deep trains its own target; it does not combine with --target or --smoke")
+    if args.deep and args.name == "speculative":
+        args.name = "speculative-deep"
     if args.demo_target and not args.demo_draft:
         ap.error("--demo-target needs --demo-draft")
     if args.demo_layerskip and not args.demo_target:
@@ -307,6 +333,8 @@ def main() -> None:
         from baton.common.corpus import default_corpus_text
 
         target, draft, text = Path(args.target), Path(args.draft), default_corpus_text()
+    elif args.deep:  # always the full training; --quick only shortens the decoded continuations
+        target, draft, text = train_models(RESULTS / "spec-models" / "deep", False, "deep")
     else:
         target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
     if args.alone_realtime:  # from here on this process runs ahead of every normal one
@@ -321,12 +349,15 @@ def main() -> None:
     git = ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"]
     commit = subprocess.run(git, capture_output=True, text=True).stdout.strip()
     results: dict = {"alone_realtime": args.alone_realtime, "threads": torch.get_num_threads(), "commit": commit}
+    from baton.common.checkpoint import read_config
+
+    results["target"] = {k: getattr(read_config(target), k) for k in ("num_hidden_layers", "hidden_size")}
     results["rows"] = []
     # LayerSkip and CALM run on a LayerSkip-trained copy of the target, against its own plain decoding
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit
 
-    groups = [("char", target, selected(modes(draft), only), "plain", workloads, {})]
+    groups = [("deep" if args.deep else "char", target, selected(modes(draft), only), "plain", workloads, {})]
     wants_ls = not only or any(p.startswith(("layerskip", "calm")) for p in only)
     if wants_ls:
         if args.smoke:
@@ -355,7 +386,12 @@ def main() -> None:
         for workload, prompts in group_workloads:
             for batch in (1, 2) if args.smoke else (1, 8):
                 runs = median_runs(group_target, group_modes, prompts, max_tokens, batch, args.repeats)
+                outputs = {name: r.pop("outputs") for name, r in runs.items()}
                 for name, r in runs.items():
+                    # exact: every mode but CALM (a dict of engine fields) decodes plain's greedy tokens
+                    same = outputs[name] == outputs[base]
+                    assert same or isinstance(group_modes[name], dict), f"{name} {workload} b{batch} is not exact"
+                    r["exact"] = same
                     speedup = r["tokens_per_s"] / runs[base]["tokens_per_s"]
                     r.update(workload=workload, batch=batch, mode=name, speedup=speedup, **quality.get(name, {}))
                     results["rows"].append({"model": model, **r})
@@ -363,6 +399,8 @@ def main() -> None:
     sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
     for batch in () if args.no_sweep else (1, 2, 4, 8, 16, 32):
         runs = median_runs(target, sweep_modes, (natural * 4)[: max(8, batch)], max_tokens, batch, args.repeats)
+        outputs = [r.pop("outputs") for r in runs.values()]
+        assert all(o == outputs[0] for o in outputs), f"not exact at batch {batch}"  # plain's are the first
         base = runs["plain"]["tokens_per_s"]
         sweep.append(
             {"batch": batch, "plain": base, **{k: r["tokens_per_s"] / base for k, r in runs.items() if k != "plain"}}
@@ -370,8 +408,8 @@ def main() -> None:
     results["batch_sweep"] = sweep
     (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     print(
-        f"\n{'model':<6}{'workload':<11}{'batch':>6}  {'mode':<26}{'tok/s':>8}{'ms/tok':>8}{'speedup':>9}{'accept':>8}"
-        f"{'mean len':>9}  accept by depth"
+        f"\n{'model':<6}{'workload':<11}{'batch':>6}  {'mode':<26}{'tok/s':>8}{'ms/tok':>8}{'ms/step':>8}{'speedup':>9}"
+        f"{'accept':>8}{'mean len':>9}  accept by depth"
     )
     for r in results["rows"]:
         depths = " ".join(f"{a:.0%}" for a in r["acceptance_by_depth"])
@@ -379,7 +417,7 @@ def main() -> None:
             depths += f"agree {r['agreement']:.0%} ppl {r['ppl']:.3f}"
         print(
             f"{r['model']:<6}{r['workload']:<11}{r['batch']:>6}  {r['mode']:<26}{r['tokens_per_s']:>8.0f}{r['ms_per_token']:>8.2f}"
-            f"{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}  {depths}"
+            f"{r['ms_per_step']:>8.2f}{r['speedup']:>8.2f}x{r['acceptance_rate']:>8.0%}{r['mean_accepted_length']:>9.2f}  {depths}"
         )
     print("\nspeedup over plain decoding by batch size (natural prompts):")
     for row in sweep:

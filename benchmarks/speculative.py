@@ -296,6 +296,11 @@ def main() -> None:
     )
     ap.add_argument("--demo-draft", help="the draft checkpoint for --demo-target")
     ap.add_argument(
+        "--demo-only",
+        action="store_true",
+        help="with --demo-target: only the demo model's rows (no char model trained or measured, no sweep)",
+    )
+    ap.add_argument(
         "--demo-layerskip",
         help="with --demo-target: the demo model's LayerSkip-trained copy (configs with early exits); "
         "its LayerSkip and CALM rows against its own plain decoding",
@@ -320,8 +325,8 @@ def main() -> None:
         args.name = "speculative-deep"
     if args.demo_target and not args.demo_draft:
         ap.error("--demo-target needs --demo-draft")
-    if args.demo_layerskip and not args.demo_target:
-        ap.error("--demo-layerskip needs --demo-target")
+    if (args.demo_layerskip or args.demo_only) and not args.demo_target:
+        ap.error("--demo-layerskip and --demo-only need --demo-target")
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.smoke:
@@ -333,6 +338,9 @@ def main() -> None:
         from baton.common.corpus import default_corpus_text
 
         target, draft, text = Path(args.target), Path(args.draft), default_corpus_text()
+    elif args.demo_only:
+        target = draft = None
+        text, args.no_sweep = "", True
     elif args.deep:  # always the full training; --quick only shortens the decoded continuations
         target, draft, text = train_models(RESULTS / "spec-models" / "deep", False, "deep")
     else:
@@ -351,15 +359,17 @@ def main() -> None:
     results: dict = {"alone_realtime": args.alone_realtime, "threads": torch.get_num_threads(), "commit": commit}
     from baton.common.checkpoint import read_config
 
-    results["target"] = {k: getattr(read_config(target), k) for k in ("num_hidden_layers", "hidden_size")}
+    if target is not None:
+        results["target"] = {k: getattr(read_config(target), k) for k in ("num_hidden_layers", "hidden_size")}
     results["rows"] = []
     # LayerSkip and CALM run on a LayerSkip-trained copy of the target, against its own plain decoding
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit
 
     groups = [("deep" if args.deep else "char", target, selected(modes(draft), only), "plain", workloads, {})]
+    groups = groups if target is not None else []
     wants_ls = not only or any(p.startswith(("layerskip", "calm")) for p in only)
-    if wants_ls:
+    if wants_ls and target is not None:
         if args.smoke:
             ls_target = early_exit.smoke_target(target, args.out / "smoke-models" / "layerskip")
         else:
@@ -396,7 +406,7 @@ def main() -> None:
                     r.update(workload=workload, batch=batch, mode=name, speedup=speedup, **quality.get(name, {}))
                     results["rows"].append({"model": model, **r})
     sweep = []
-    sweep_modes = {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
+    sweep_modes = {} if args.no_sweep else {k: v for k, v in modes(draft).items() if k in ("plain", *SWEPT)}
     for batch in () if args.no_sweep else (1, 2, 4, 8, 16, 32):
         runs = median_runs(target, sweep_modes, (natural * 4)[: max(8, batch)], max_tokens, batch, args.repeats)
         outputs = [r.pop("outputs") for r in runs.values()]

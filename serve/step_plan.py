@@ -2,8 +2,9 @@
 
 The model runner builds it from the scheduled sequences (which only the driver holds); with
 tensor/pipeline parallelism the driver broadcasts it and every rank turns it into tensors on its
-own device (serve/parallel/). It carries what changes per step - token ids, positions, slot
-mapping, the block tables of the scheduled sequences, the rows to sample - never Sequence objects.
+own device (serve/parallel/; the runner's InputBatch does it, keeping block-table rows between
+steps). It carries what changes per step - token ids, positions, slot mapping, the block tables
+of the scheduled sequences, the rows to sample - never Sequence objects.
 
 Packing: decode rows first (single new tokens, and every row of a chunk of at most DECODE_ROWS
 tokens: speculative chains, prompt tails), then longer prefill chunks, then speculative trees. A
@@ -36,7 +37,7 @@ class TreeSpec:
     parents: list[int]
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One scheduled sequence's part of a step, without the Sequence: what a worker needs."""
 
@@ -50,14 +51,12 @@ class Chunk:
 
     @classmethod
     def of(cls, seq: Sequence, n: int) -> "Chunk":
-        start = seq.num_computed_tokens
-        sample = "all" if seq.spec_token_ids else "last" if start + n == seq.num_tokens else "none"
-        tokens = (
-            (seq.token_ids + seq.spec_token_ids)[start : start + n]
-            if seq.spec_token_ids
-            else seq.token_ids[start : start + n]
-        )
-        parents = list(seq.spec_parents) if seq.spec_parents is not None else None
+        start, ids, spec = seq.num_computed_tokens, seq.token_ids, seq.spec_token_ids
+        if spec:
+            tokens, sample = (ids + spec)[start : start + n], "all"
+        else:
+            tokens, sample = ids[start : start + n], "last" if start + n == len(ids) else "none"
+        parents = None if seq.spec_parents is None else list(seq.spec_parents)
         return cls(seq.seq_id, start, seq.num_evicted_tokens, tokens, seq.block_table, parents, sample)
 
 
@@ -67,8 +66,10 @@ class StepPlan:
     positions: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     dec_tables: list[list[int]] = field(default_factory=list)
+    dec_seqs: list[int] = field(default_factory=list)  # per decode row: its sequence (InputBatch's row key)
     dec_lens: list[int] = field(default_factory=list)
     pre_tables: list[list[int]] = field(default_factory=list)
+    pre_seqs: list[int] = field(default_factory=list)
     pre_prefix: list[int] = field(default_factory=list)
     cu: list[int] = field(default_factory=lambda: [0])
     trees: list[TreeSpec] = field(default_factory=list)
@@ -109,6 +110,17 @@ class StepPlan:
             n = len(c.tokens)
             first_cached = c.start - c.evicted  # index of this chunk's first token in the cache
             row0 = len(plan.ids)
+            if n == 1 and c.spec_parents is None:  # a decoding sequence, most rows at decode: the loop's short way
+                table = c.block_table
+                plan.ids.append(c.tokens[0])
+                plan.positions.append(first_cached if positions_in_cache else c.start)
+                plan.slots.append(table[first_cached // bs] * bs + first_cached % bs)
+                plan.dec_tables.append(table)
+                plan.dec_seqs.append(c.seq_id)
+                plan.dec_lens.append(first_cached + 1)
+                if c.sample != "none":  # one row: "all" and "last" sample it alike
+                    plan.sample_rows.append(row0)
+                continue
             plan.ids += c.tokens
             base = first_cached if positions_in_cache else c.start
             table = c.block_table
@@ -121,9 +133,11 @@ class StepPlan:
             plan.slots += [table[i // bs] * bs + i % bs for i in range(first_cached, first_cached + n)]
             if c.spec_parents is None and n <= DECODE_ROWS:
                 plan.dec_tables += [table] * n
+                plan.dec_seqs += [c.seq_id] * n
                 plan.dec_lens += range(first_cached + 1, first_cached + n + 1)
             elif c.spec_parents is None:
                 plan.pre_tables.append(table)
+                plan.pre_seqs.append(c.seq_id)
                 plan.pre_prefix.append(first_cached)
                 plan.cu.append(plan.cu[-1] + n)
             if c.sample == "all":
@@ -133,7 +147,9 @@ class StepPlan:
         return plan
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """(input_ids [1, T], positions [1, T], attention metadata) on `device`."""
+        """(input_ids [1, T], positions [1, T], attention metadata) on `device`, built from the
+        lists alone: the reference the model runner's InputBatch (serve/input_batch.py), which
+        keeps block-table rows between steps, is tested against."""
         dev = device
 
         def table(rows: list[list[int]]) -> torch.Tensor:
@@ -166,9 +182,10 @@ class StepPlan:
 def plan_chunks(scheduled: list[tuple[Sequence, int]]) -> tuple[list[Chunk], list[tuple[Sequence, int]]]:
     """The step's chunks in packing order - decode rows, then prefill chunks, then speculative
     trees (see the module docstring) - and [(sequence, rows it samples)] in sampled-row order."""
-    trees = [x for x in scheduled if x[0].spec_parents is not None]
-    chains = [x for x in scheduled if x[0].spec_parents is None]
-    order = [x for x in chains if x[1] <= DECODE_ROWS] + [x for x in chains if x[1] > DECODE_ROWS] + trees
+    rows, chunked, trees = [], [], []
+    for x in scheduled:
+        (trees if x[0].spec_parents is not None else rows if x[1] <= DECODE_ROWS else chunked).append(x)
+    order = rows + chunked + trees
     chunks = [Chunk.of(seq, n) for seq, n in order]
     groups = [(seq, n if c.sample == "all" else 1) for (seq, n), c in zip(order, chunks) if c.sample != "none"]
     return chunks, groups

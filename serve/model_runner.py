@@ -26,6 +26,7 @@ from baton.kernels.reference import rotate_half
 from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
 from baton.serve.fusion import fuse_projections
+from baton.serve.input_batch import InputBatch
 from baton.serve.quantization.kv_cache import pool_layout
 from baton.serve.sequence import Sequence
 from baton.serve.state_pool import PagedHybridAttention, Segment, StatePool, StateSlots
@@ -157,6 +158,7 @@ class ModelRunner:
             self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
+        self.inputs = InputBatch(self.device)  # the step tensors, block-table rows kept between steps
         # Rows of the next step that skip the layers below entry_layer (set by a LayerSkip proposer).
         self.late_entries: dict[int, LateEntry] = {}
         self.entry_layer = 0
@@ -211,7 +213,7 @@ class ModelRunner:
         """This runner's layers (or the global `layers`, a part of them) over the plan's tokens:
         from the embedding, or from `hidden` [1, T, hidden], the input of the first of them (the
         previous pipeline stage's output, LayerSkip's rows entering late). Returns [1, T, hidden]."""
-        input_ids, positions, md = plan.tensors(self.device)
+        input_ids, positions, md = self.inputs.tensors(plan)
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
@@ -319,8 +321,9 @@ class ModelRunner:
             self.attn.keep_state(seq_id, num_accepted)
 
     def release(self, seq_id: int) -> None:
-        """A sequence left the engine. This runner keeps nothing per sequence (the distributed
-        runner forgets the block table its workers hold); a speculative state not kept is dropped."""
+        """A sequence left the engine: its block-table row is freed (the distributed runner's
+        workers forget theirs through its TableSender); a speculative state not kept is dropped."""
+        self.inputs.release(seq_id)
         if self.state_slots is not None:
             self.attn.spec_states.pop(seq_id, None)
 

@@ -1,13 +1,23 @@
 """The model runner's packing: single tokens and short chunks become decode rows, longer chunks
-the prefill path; either way a step's logits equal a plain forward over the whole sequence."""
+the prefill path; either way a step's logits equal a plain forward over the whole sequence. Its
+InputBatch, which keeps block-table rows between steps, builds the same tensors as a rebuild
+from scratch through joins, finishes, preemption and chunked prefill."""
 
+import dataclasses
+import random
+
+import pytest
 import torch
 
 from baton.common.config import ModelConfig
 from baton.common.model import DecoderLayer, build_model
+from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.input_batch import InputBatch
 from baton.serve.model_runner import DECODE_ROWS, ModelRunner
 from baton.serve.sampling_params import SamplingParams
+from baton.serve.scheduler import SchedulerConfig
 from baton.serve.sequence import Sequence
+from baton.serve.step_plan import Chunk, StepPlan
 
 CFG = ModelConfig(
     vocab_size=128,
@@ -61,3 +71,134 @@ def test_the_model_runner_fuses_residual_norms():
     )
     ModelRunner(model, num_blocks=8, block_size=8)
     assert all(m.fuse_residual_norm for m in model.modules() if isinstance(m, DecoderLayer))
+
+
+def _same(got, want) -> bool:
+    """Every tensor equal in dtype, shape and values; every other field equal."""
+
+    def eq(a, b):
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if dataclasses.is_dataclass(a):
+            return all(eq(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+        if isinstance(a, list):
+            return len(a) == len(b) and all(map(eq, a, b))
+        return a == b
+
+    return all(map(eq, got, want))
+
+
+LENGTHS, OUTS = [5, 19, 11, 30, 7, 14, 23, 9], [6, 20, 3, 12, 25, 8, 15, 10]
+
+
+class _LengthOnly(list):
+    """A stale-row bug: a row is rewritten only when its table's length changes (append-only
+    updates), so a table whose blocks changed in place (swap-in, recompute) stays stale."""
+
+    def __ne__(self, other):
+        return len(self) != len(other)
+
+
+class _AppendOnlyBatch(InputBatch):
+    def _write(self, r: int, table: list[int]) -> None:
+        super()._write(r, table)
+        self.written[r] = _LengthOnly(table)
+
+
+def _run_checked(batch: InputBatch, mode: str) -> dict:
+    """A staggered workload that joins, finishes, chunks prompts and is preempted (`mode`): every
+    step's InputBatch tensors against StepPlan.tensors, the rebuild from Python lists."""
+    model = build_model(CFG, seed=0)
+    sched = SchedulerConfig(max_num_batched_tokens=24, preemption_mode=mode)
+    engine = LLMEngine(model, config=EngineConfig(num_kv_blocks=20, block_size=4, scheduler=sched))
+    batch.device = engine.runner.device
+    engine.runner.inputs = batch
+    seen = {"steps": 0, "mismatches": 0, "rows": 0, "mixed": 0, "chunked": 0}
+
+    def checked(plan):
+        got = InputBatch.tensors(batch, plan)
+        md = got[2]
+        seen["steps"] += 1
+        seen["mismatches"] += not _same(got, plan.tensors(batch.device))
+        seen["rows"] += md.num_decodes + md.num_prefills
+        seen["mixed"] += bool(md.num_decodes and md.num_prefills)
+        seen["chunked"] += bool((md.prefill_prefix_lens > 0).any())
+        return got
+
+    batch.tensors = checked
+    g = torch.Generator().manual_seed(1)
+    lengths, outs = LENGTHS, OUTS
+    step, pending = 0, list(range(len(lengths)))
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 2 == 0:
+            i = pending.pop(0)
+            prompt = torch.randint(0, CFG.vocab_size, (lengths[i],), generator=g).tolist()
+            engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=outs[i], ignore_eos=True))
+        engine.step()
+        step += 1
+    seen["preemptions"] = engine.scheduler.num_preemptions
+    seen["writes"] = batch.num_row_writes
+    seen["rows_left"] = len(batch.row_of)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_input_batch_equals_a_rebuild_through_joins_finishes_preemption_and_chunks(mode):
+    seen = _run_checked(InputBatch(torch.device("cpu"), rows=2, width=2), mode)  # tiny: it grows
+    assert seen["mismatches"] == 0, seen
+    assert seen["preemptions"] > 0 and seen["mixed"] > 0 and seen["chunked"] > 0, seen  # the events happened
+    assert seen["writes"] < seen["rows"] / 2, seen  # and most rows were kept, not rewritten
+    assert seen["rows_left"] == 0  # every finished sequence gave its row back
+    stale = _run_checked(_AppendOnlyBatch(torch.device("cpu")), mode)
+    assert stale["mismatches"] > 0, stale  # the comparison catches a row left stale
+
+
+def _fuzz_mismatches(batch: InputBatch, steps: int = 300) -> int:
+    """Random table changes of every kind between steps - a new block, a block replaced in place,
+    blocks dropped from the front, a whole new table, sequences leaving (released or not) and
+    joining, the order shuffled, short chains and prefill chunks - each step's tensors against
+    StepPlan.tensors. Returns the steps that differed."""
+    rng, tables, next_id, bad = random.Random(0), {}, 0, 0
+    for _ in range(steps):
+        while len(tables) < rng.randint(1, 12):
+            tables[next_id], next_id = [rng.randrange(100) for _ in range(rng.randint(1, 6))], next_id + 1
+        for sid, t in list(tables.items()):
+            op = rng.random()
+            if op < 0.2:
+                t.append(rng.randrange(100))
+            elif op < 0.3:
+                t[rng.randrange(len(t))] = rng.randrange(100)
+            elif op < 0.4 and len(t) > 1:
+                del t[: rng.randint(1, len(t) - 1)]
+            elif op < 0.45:
+                tables[sid] = [rng.randrange(100) for _ in range(rng.randint(1, 9))]
+            elif op < 0.55:
+                del tables[sid]
+                if rng.random() < 0.7:
+                    batch.release(sid)
+        order = list(tables)
+        rng.shuffle(order)
+        chunks = []
+        for sid in order[: rng.randint(1, len(order))]:
+            t = tables[sid]
+            n = min(rng.choice([1, 1, 1, 3, 12]), len(t) * 4)
+            start = len(t) * 4 - n
+            chunks.append(Chunk(sid, start, 0, [7] * n, t, None, "last"))
+        chunks.sort(key=lambda c: len(c.tokens) > DECODE_ROWS)  # packing order
+        plan = StepPlan.from_chunks(chunks, 4)
+        bad += not _same(batch.tensors(plan), plan.tensors(batch.device))
+    return bad
+
+
+class _UnpaddedBatch(InputBatch):
+    """A stale-tail bug: a shorter table written over a longer one leaves the old blocks behind."""
+
+    def _write(self, r: int, table: list[int]) -> None:
+        self.written[r] = None
+        super()._write(r, table)
+
+
+def test_the_input_batch_equals_a_rebuild_under_random_table_changes():
+    assert _fuzz_mismatches(InputBatch(torch.device("cpu"), rows=1, width=1)) == 0
+    assert _fuzz_mismatches(_AppendOnlyBatch(torch.device("cpu"))) > 0  # the test sees stale rows
+    assert _fuzz_mismatches(_UnpaddedBatch(torch.device("cpu"))) > 0  # and stale tails

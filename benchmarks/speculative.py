@@ -444,19 +444,23 @@ def plot(r: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4))
     rows = [x for x in r["rows"] if x["mode"] != "plain"]
-    labels = [f"{x['mode']}\n{x['model']} {x['workload'][:3]} b{x['batch']}" for x in rows]
+    sweep = r["batch_sweep"]
+    # one bar a row, tall enough to read (no sweep panel when the run skipped it)
+    fig, ax = plt.subplots(1, 2 if sweep else 1, figsize=(12 if sweep else 8, max(4, 0.14 * len(rows))), squeeze=False)
+    ax = ax[0]
+    labels = [f"{x['model']} {x['workload'][:3]} b{x['batch']}  {x['mode']}" for x in rows]
     ax[0].barh(range(len(rows)), [x["speedup"] for x in rows])
     ax[0].set_yticks(range(len(rows)), labels, fontsize=6)
+    ax[0].invert_yaxis()
     ax[0].axvline(1.0, c="gray", ls="--")
     ax[0].set(xlabel="speedup over plain decoding", title="speculative decoding on this CPU")
-    sweep = r["batch_sweep"]
-    for k in SWEPT if sweep else ():
-        ax[1].plot([x["batch"] for x in sweep], [x[k] for x in sweep], "o-", label=k)
-    ax[1].axhline(1.0, c="gray", ls="--")
-    ax[1].set(xscale="log", xlabel="batch size", ylabel="speedup", title="where speculation stops paying")
-    ax[1].legend()
+    if sweep:
+        for k in SWEPT:
+            ax[1].plot([x["batch"] for x in sweep], [x[k] for x in sweep], "o-", label=k)
+        ax[1].axhline(1.0, c="gray", ls="--")
+        ax[1].set(xscale="log", xlabel="batch size", ylabel="speedup", title="where speculation stops paying")
+        ax[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -30,6 +30,7 @@ SOURCES = [
     Path(__file__).resolve().parent / "csrc" / f
     for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp")
 ]
+HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd_cpu.h"]  # in the build folder's source hash
 # -march=native: built for this CPU (the build folder is named after its flags, below);
 # -fopenmp: at::parallel_for splits the work between torch's threads only when OpenMP is on.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
@@ -49,7 +50,7 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    src = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES)).hexdigest()[:8]
+    src = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:8]
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cpu{cpu}-src{src}"
     return root / f"{NAME}-{tag}"
 

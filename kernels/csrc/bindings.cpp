@@ -2,11 +2,13 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t window,
                            std::optional<torch::Tensor> tail_mask);
+std::string paged_decode_simd();
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
@@ -18,6 +20,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("window"), py::arg("tail_mask") = py::none());
+  m.def("paged_decode_simd", &paged_decode_simd,
+        "the vector path paged_decode compiled for head_dim 32/64/128: avx512, avx2 or portable");
   m.def("cache_write", &cache_write, "new K/V rows into the paged pools at slot_mapping (-1 skips)", py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally of x + residual: (out, x + residual or an undefined tensor)",

@@ -1,6 +1,8 @@
 """Paged decode (split-K + reduce, FlashDecoding++ unified max with its fallback) and the KV-cache
 write: Triton kernels under the interpreter and the CPU dispatch path against the references."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,14 +61,31 @@ def test_cpu_kernels_build_and_dispatch_uses_them():
     assert not pa.cpu_kernel_fits(args[0].bfloat16(), *args[1:3])  # q and the pools must agree
 
 
+def _cpu_flags() -> set[str]:
+    line = next((x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_cpu_kernel_compiles_the_widest_vector_path():
+    """The build (-march=native) picks AVX-512 where the CPU has it, else AVX2+FMA, else the portable
+    loops: the tests below then exercise the path this CPU compiled (AVX2 on the Zen 2 CI machine)."""
+    flags = _cpu_flags()
+    want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "portable"
+    assert cpu_kernels().paged_decode_simd() == want
+
+
 @pytest.mark.parametrize("impl", ["cpu", "torch"])
 @pytest.mark.parametrize("window", [None, 50, 1])
 @pytest.mark.parametrize(
-    "heads,head_dim,block_size", [((4, 4), 32, 16), ((8, 2), 64, 8), ((8, 1), 128, 16), ((6, 3), 48, 4)]
+    "heads,head_dim,block_size",
+    [((4, 4), 32, 16), ((8, 2), 64, 8), ((16, 4), 64, 4), ((8, 1), 128, 16), ((6, 3), 48, 4)],
 )
 def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
-    """The C++ kernel (its AVX-512 path for head_dim 32/64/128 where the CPU has it, with pages of 4
-    and 8 tokens cutting its 16-token chunks; the portable loops for 48) and the torch bucketing path, on MHA/GQA/MQA with lengths from 0 to past 2 x 250, against the reference."""
+    """The C++ kernel (for head_dim 32/64/128 its vector path, AVX-512's 16-token or AVX2's 8-token
+    score chunks, which pages of 4 and 8 tokens and the window's start cut; the portable loops for
+    48 and on CPUs with neither) and the torch bucketing path, on MHA/GQA/MQA with lengths from 0 to
+    past 2 x 250, against the reference."""
     lens = LENS + [600, 3, 251, 499]
     q, k_cache, v_cache, tables, ctx = _decode_case(torch.float32, lens, heads, head_dim, block_size)
     q = torch.randn(q.shape[0], q.shape[2], q.shape[1]).transpose(1, 2)  # not contiguous
@@ -78,10 +97,11 @@ def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
 
 
 @pytest.mark.parametrize("window", [None, 50])
-@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((6, 3), 48)])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((8, 1), 128), ((6, 3), 48)])
 def test_decode_cpu_kernel_bfloat16(heads, head_dim, window):
-    """bfloat16 pools and queries: the C++ kernel computes in float32 and rounds once, so it is
-    within one bfloat16 rounding of the float32 reference on the same (bfloat16) values."""
+    """bfloat16 pools and queries (the vector path's 16-bit widening for 64 and 128, the portable
+    loops for 48): the C++ kernel computes in float32 and rounds once, so it is within one bfloat16
+    rounding of the float32 reference on the same (bfloat16) values."""
     q, k_cache, v_cache, tables, ctx = _decode_case(torch.bfloat16, LENS + [600, 3], heads, head_dim, 16)
     want = ref.paged_attention_decode_ref(
         q.float(), k_cache.float(), v_cache.float(), tables, ctx, sliding_window=window, softmax_scale=0.2

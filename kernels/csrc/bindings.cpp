@@ -15,6 +15,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
                                                   std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                                                 torch::Tensor sin);
+torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
@@ -28,4 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary", &rotary, "rotate_half rotary embedding of q and k [tokens, heads, head_dim]", py::arg("q"),
         py::arg("k"), py::arg("cos"), py::arg("sin"));
+  m.def("swiglu", &swiglu, "silu(gate) * up over rows that may be strided (the fused gate/up output's halves)",
+        py::arg("gate"), py::arg("up"));
 }

@@ -74,3 +74,27 @@ def test_fused_elementwise_ops_match_the_torch_references(dtype, tokens):
         torch.testing.assert_close(got_q, want_q, **tol)
         torch.testing.assert_close(got_k, want_k, **tol)
     assert loaded_cpu_kernels(x.requires_grad_()) is None  # no backward: autograd takes the torch path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1408), (37, 100), (2, 5, 96)])
+def test_swiglu_matches_the_torch_reference_on_the_fused_projection_halves(dtype, shape):
+    """silu(gate) * up on the strided halves of one gate/up GEMM output (what serve/fusion.py's MLP
+    hands the dispatcher), incl. gates far in both tails (the clamped exponent), against the
+    reference; the dispatcher returns the C++ op's result once the kernels are loaded."""
+    from baton.kernels import reference as ref, swiglu
+    from baton.kernels.cpu_extension import cpu_kernels
+
+    m = cpu_kernels()
+    g = torch.Generator().manual_seed(0)
+    gate_up = (3 * torch.randn(*shape[:-1], 2 * shape[-1], generator=g)).to(dtype)
+    gate_up[..., :3] = torch.tensor([-100.0, -89.0, 95.0]).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    assert gate.stride(-2) == 2 * shape[-1]  # rows of the packed output
+    want = ref.swiglu_ref(gate, up)
+    got = m.swiglu(gate, up)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2**-7}
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.equal(swiglu(gate, up), got)
+    torch.testing.assert_close(m.swiglu(gate.contiguous(), up.contiguous()), want, **tol)

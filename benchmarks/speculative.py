@@ -366,7 +366,8 @@ def main() -> None:
     # (benchmarks/early_exit.py); CALM's rows also carry quality (agreement, held-out perplexity).
     import early_exit
 
-    groups = [("deep" if args.deep else "char", target, selected(modes(draft), only), "plain", workloads, {})]
+    label = "deep" if args.deep else "char"
+    groups = [(label, target, selected(modes(draft), only), "plain", workloads, {})]
     groups = groups if target is not None else []
     wants_ls = not only or any(p.startswith(("layerskip", "calm")) for p in only)
     if wants_ls and target is not None:
@@ -379,7 +380,7 @@ def main() -> None:
         heldout = Tokenizer.from_dir(ls_target).encode(source[-3000:])[: 32 if args.smoke else 400]
         quality = early_exit.quality(ls_target, natural, max_tokens, heldout)
         ls_modes = selected(early_exit.modes(ls_target), only, "plain (layerskip-trained)")
-        groups.append(("char", ls_target, ls_modes, "plain (layerskip-trained)", workloads, quality))
+        groups.append((label, ls_target, ls_modes, "plain (layerskip-trained)", workloads, quality))
     if args.demo_target:  # the same modes and settings on the demo model, in the same run
         from baton.common.corpus import default_corpus_text
 

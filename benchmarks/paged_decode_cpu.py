@@ -2,7 +2,9 @@
 (gather rows of similar length, then SDPA), over batch sizes and context-length mixes, with the
 bytes of K/V each call must read turned into an effective bandwidth next to a measured copy ceiling.
 
-Usage: python benchmarks/paged_decode_cpu.py [--quick]   (writes benchmarks/results/paged_decode_cpu.{json,png})
+Usage: python benchmarks/paged_decode_cpu.py [--quick] [--dtype bf16] [--out NAME]
+(writes benchmarks/results/NAME.{json,png}, default paged_decode_cpu; the JSON names the kernel's
+vector path: avx512, avx2 or portable)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.paged_attention import paged_attention_decode_cpu, paged_attention_decode_torch
 from baton.kernels.reference import paged_attention_decode_ref
 from baton.serve.model_runner import keep_freed_memory
@@ -68,7 +71,10 @@ def copy_ceiling_gbs() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="queries and pools")
+    ap.add_argument("--out", default="paged_decode_cpu", help="results file name, without suffix")
     args = ap.parse_args()
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     keep_freed_memory()  # as the serving runner does: otherwise the torch path page-faults its gathers
     rng = random.Random(0)
     ceiling = copy_ceiling_gbs()
@@ -80,14 +86,16 @@ def main() -> None:
             for batch in batches:
                 lens = lengths(mix, batch, rng)
                 c = case(heads, head_dim, lens, rng)
-                want = paged_attention_decode_ref(*c) if batch <= 16 else None
+                c = (*(t.to(dtype) for t in c[:3]), *c[3:])
+                want = paged_attention_decode_ref(*(t.float() for t in c[:3]), *c[3:]) if batch <= 16 else None
                 got = paged_attention_decode_cpu(*c)
                 if want is not None:
-                    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+                    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 2**-8}
+                    torch.testing.assert_close(got.float(), want, **tol)
                 reps = 5 if args.quick else 20
                 t_cpp = timed(paged_attention_decode_cpu, c, reps)
                 t_torch = timed(paged_attention_decode_torch, c, reps)
-                kv_bytes = 2 * sum(lens) * heads[1] * head_dim * 4
+                kv_bytes = 2 * sum(lens) * heads[1] * head_dim * dtype.itemsize
                 rows.append(
                     {
                         "heads": f"{heads[0]}/{heads[1]}",
@@ -111,12 +119,19 @@ def main() -> None:
                 )
     print(f"copy ceiling (read + write): {ceiling:.1f} GB/s; {torch.get_num_threads()} threads")
     RESULTS.mkdir(exist_ok=True)
-    out = {"threads": torch.get_num_threads(), "copy_ceiling_gbs": ceiling, "block_size": BLOCK, "rows": rows}
-    (RESULTS / "paged_decode_cpu.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(rows)
+    out = {
+        "threads": torch.get_num_threads(),
+        "dtype": args.dtype,
+        "vector_path": cpu_kernels().paged_decode_simd(),
+        "copy_ceiling_gbs": ceiling,
+        "block_size": BLOCK,
+        "rows": rows,
+    }
+    (RESULTS / f"{args.out}.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(rows, RESULTS / f"{args.out}.png")
 
 
-def plot(rows: list[dict]) -> None:
+def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,7 +150,7 @@ def plot(rows: list[dict]) -> None:
         ax.set_title(f"heads {heads}, head_dim {dim}")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / "paged_decode_cpu.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -345,10 +345,6 @@ def main() -> None:
         target, draft, text = train_models(RESULTS / "spec-models" / "deep", False, "deep")
     else:
         target, draft, text = train_models(RESULTS / "spec-models" / ("quick" if args.quick else "full"), args.quick)
-    if args.alone_realtime:  # from here on this process runs ahead of every normal one
-        from serve_threads import realtime
-
-        realtime()
     source = text or "To be, or not to be, that is the question. " * 50
     (_, natural), _ = workloads = prompt_sets(source, 2 if args.smoke else 8)
     max_tokens = 6 if args.smoke else 48 if args.quick else 96
@@ -393,6 +389,11 @@ def main() -> None:
             demo_quality = early_exit.quality(ls_demo, demo_prompts[0][1], max_tokens, held)
             ls_modes = selected(early_exit.modes(ls_demo), only, "plain (layerskip-trained)")
             groups.append(("demo", ls_demo, ls_modes, "plain (layerskip-trained)", demo_prompts, demo_quality))
+    if args.alone_realtime:  # from here on this process runs ahead of every normal one (the LayerSkip
+        # copy's training and CALM's quality pass above ran at normal priority)
+        from serve_threads import realtime
+
+        realtime()
     for model, group_target, group_modes, base, group_workloads, quality in groups:
         for workload, prompts in group_workloads:
             for batch in (1, 2) if args.smoke else (1, 8):

@@ -21,8 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from baton.serve.attention import AttentionMetadata, TreeGroup
-from baton.serve.speculative.tree import ancestor_mask
+from baton.serve.attention import AttentionMetadata
 from baton.serve.step_plan import StepPlan
 
 __all__ = ["InputBatch"]
@@ -61,10 +60,7 @@ class InputBatch:
             prefill_prefix_lens=self._vec(plan.pre_prefix, np.int32),
             max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
             window_in_cache=plan.window_in_cache,
-            trees=[
-                TreeGroup(t.row, t.size, t.block_table, t.prefix_len, t.depth, ancestor_mask(t.parents))
-                for t in plan.trees
-            ],
+            trees=plan.tree_groups(),
         )
         self._prune(plan.dec_seqs + plan.pre_seqs)
         return self._vec(plan.ids, np.int64).view(1, -1), self._vec(plan.positions, np.int64).view(1, -1), md

@@ -146,6 +146,12 @@ class StepPlan:
                 plan.sample_rows.append(len(plan.ids) - 1)
         return plan
 
+    def tree_groups(self) -> list[TreeGroup]:
+        """The speculative trees as attention takes them, each with its ancestor mask."""
+        return [
+            TreeGroup(t.row, t.size, t.block_table, t.prefix_len, t.depth, ancestor_mask(t.parents)) for t in self.trees
+        ]
+
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [1, T], positions [1, T], attention metadata) on `device`, built from the
         lists alone: the reference the model runner's InputBatch (serve/input_batch.py), which
@@ -169,10 +175,7 @@ class StepPlan:
             prefill_prefix_lens=torch.tensor(self.pre_prefix, dtype=torch.int32, device=dev),
             max_prefill_len=max((b - a for a, b in zip(cu, cu[1:])), default=0),
             window_in_cache=self.window_in_cache,
-            trees=[
-                TreeGroup(t.row, t.size, t.block_table, t.prefix_len, t.depth, ancestor_mask(t.parents))
-                for t in self.trees
-            ],
+            trees=self.tree_groups(),
         )
         input_ids = torch.tensor([self.ids], dtype=torch.long, device=dev)
         pos = torch.tensor([self.positions], dtype=torch.long, device=dev)

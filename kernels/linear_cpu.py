@@ -1,5 +1,5 @@
 """CPU linear layers for inference with the weight packed once, at load: bf16 through oneDNN,
-fp32 through MKL's packed SGEMM.
+fp32 through MKL's packed SGEMM, and bf16 through MKL's fp32 path where oneDNN has no bf16.
 
 bf16: torch's `F.linear` on a bf16 CPU tensor goes to oneDNN, which reorders the plain [N, K] weight
 into its blocked (AMX / AVX-512 BF16) layout on every call. At decode (M = the batch, 1-64 rows)
@@ -26,8 +26,16 @@ that F.linear takes a GEMV path whose sums differ in the last bits (tests/kernel
 bounds both against a float64 reference). MKL forbids moving a packed buffer: it is held as a
 plain attribute (no state_dict, `.to()` or deepcopy of it) and a PackedLinear refuses a deepcopy.
 
-Falls back to `F.linear` (`prepacked_available(dtype)` false) where oneDNN has no bf16 support /
-torch has no MKL, or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.
+bf16 without oneDNN bf16 (a CPU without AVX-512 BF16 / AMX, e.g. AMD Zen 2): torch's bf16 `F.linear`
+there emulates bf16 and ran 4-13x slower than fp32's (25M serving shapes, docs/benchmarks.md, "bf16
+linear layers"). The weight is widened to fp32 once at load and packed through MKL as above
+(`bf16_path`), and each call widens x, multiplies in fp32, adds the bias and rounds to bf16 once:
+products of bf16 values are exact in fp32 and the sums are fp32, so this is `linear_reference`'s
+bf16 specification up to summation order. The cost: the packed weight takes 2x the bf16 weight's
+memory (logged once), and every call reads 4 bytes per weight instead of 2.
+
+Falls back to `F.linear` (`prepacked_available(dtype)` false) where torch has no MKL (and, for bf16,
+no oneDNN bf16), or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import contextlib
 import ctypes
 import dataclasses
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -48,6 +57,7 @@ FP32_PACK_ROWS = 64  # fp32: MKL's blocking for decode batches (module docstring
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # mkl_cblas.h's enums
 PROFILER_NAME = "baton::packed_sgemm"  # the fp32 GEMM's range in a torch profile (bf16's is mkldnn::_linear_pointwise)
 _NO_RANGE = contextlib.nullcontext()
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,14 +105,34 @@ def _sgemm() -> _Sgemm | None:
         return None
 
 
+def bf16_path(onednn_bf16: bool, mkl_sgemm: bool) -> str | None:
+    """Which packed path bf16 linears take: "onednn" where oneDNN has bf16 (half the bytes of fp32,
+    AMX / AVX-512 BF16), else "mkl-fp32" (the weight widened once, MKL's packed SGEMM), else None."""
+    return "onednn" if onednn_bf16 else "mkl-fp32" if mkl_sgemm else None
+
+
+@functools.cache
+def _bf16_path() -> str | None:
+    try:
+        onednn = _mkldnn_bf16()
+    except (RuntimeError, AttributeError):  # a torch built without oneDNN's ops
+        onednn = False
+    return bf16_path(onednn, _sgemm() is not None)
+
+
 @functools.cache
 def _supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return _sgemm() is not None
-    try:
-        return dtype == torch.bfloat16 and _mkldnn_bf16()
-    except (RuntimeError, AttributeError):  # a torch built without oneDNN's ops
-        return False
+    return dtype == torch.bfloat16 and _bf16_path() is not None
+
+
+@functools.cache
+def _log_widening() -> None:
+    log.info(
+        "oneDNN has no bf16 on this CPU: bf16 linear weights are widened to fp32 once and run through "
+        "MKL's packed SGEMM (twice the bf16 weight memory; outputs rounded to bf16 once)"
+    )
 
 
 def prepacked_available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -113,7 +143,8 @@ def prepacked_available(dtype: torch.dtype = torch.bfloat16) -> bool:
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedWeight:
     """An [N, K] weight packed once: bf16 a oneDNN opaque tensor, fp32 MKL's packed buffer (which
-    must never move: its metadata depends on the address's alignment)."""
+    must never move: its metadata depends on the address's alignment); `dtype` is the layer's (a
+    bf16 weight widened into MKL's fp32 buffer keeps bf16 here, and `data.dtype` is float32)."""
 
     data: torch.Tensor
     out_features: int
@@ -127,7 +158,8 @@ class PackedWeight:
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
     """The [N, K] bf16 or fp32 CPU weight packed for `packed_linear`. bf16: oneDNN picks its blocked
     layout for a batch size; the one for PACK_ROWS rows measured within 4% of the M = 1 layout at
-    decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection)."""
+    decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection).
+    Without oneDNN bf16 a bf16 weight is widened to fp32 and packed by MKL: 2x its memory."""
     ok = weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
     if not ok or weight.dim() != 2 or not weight.numel():
         raise ValueError(
@@ -136,11 +168,14 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
         )
     n, k = weight.shape
     w = weight.detach().contiguous()
-    if weight.dtype == torch.bfloat16:
+    if weight.dtype == torch.bfloat16 and _bf16_path() == "onednn":
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype)
     mkl = _sgemm()
     if mkl is None:
         raise ValueError("pack_weight: this torch has no MKL packed SGEMM (see prepacked_available)")
+    if weight.dtype == torch.bfloat16:
+        _log_widening()
+        w = w.float()  # exact; freed once packed
     size = mkl.get_size(_B_MATRIX, FP32_PACK_ROWS, n, k)
     buf = torch.empty(-(-size // 4), dtype=torch.float32)  # untouched pages cost no memory
     mkl.pack(_ROW_MAJOR, _B_MATRIX, _TRANS, FP32_PACK_ROWS, n, k, 1.0, w.data_ptr(), k, buf.data_ptr())
@@ -149,23 +184,24 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times a `pack_weight` result, plus bias: F.linear's value (bf16: float32
-    accumulation, one rounding to bf16). No autograd: inference only."""
+    accumulation, one rounding to bf16; through MKL, x widened to fp32 first). No autograd: inference only."""
     k, n = packed.in_features, packed.out_features
     if x.dtype != packed.dtype or x.shape[-1] != k or x.device.type != "cpu":
         raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} for a {packed.dtype} [{n}, {k}] weight")
     x2 = x.reshape(-1, k)
-    if packed.dtype == torch.bfloat16:
+    if packed.data.dtype == torch.bfloat16:
         y = torch.ops.mkldnn._linear_pointwise(x2, packed.data, bias, "none", [], "")
     else:
-        x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+        x2 = x2.to(torch.float32).contiguous()
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
         if y.numel():
             # a ctypes call is invisible to torch's profiler: name it there (only while one records)
             with torch.profiler.record_function(PROFILER_NAME) if torch.autograd._profiler_enabled() else _NO_RANGE:
                 _sgemm().compute(_ROW_MAJOR, _NO_TRANS, _PACKED, x2.shape[0], n, k, x2.data_ptr(), k,
                                  packed.data.data_ptr(), k, 0.0, y.data_ptr(), n)  # fmt: skip
         if bias is not None:
-            y += bias
+            y += bias  # in fp32, before the one rounding to bf16
+        y = y.to(x.dtype)
     return y.view(*x.shape[:-1], n)
 
 

@@ -1,5 +1,5 @@
-"""CPU linears from a once-packed weight (kernels/linear_cpu.py: bf16 through oneDNN, fp32 through MKL)
-against float32 / float64 references, the model runner's use of them (greedy tokens equal the plain
+"""CPU linears from a once-packed weight (kernels/linear_cpu.py: bf16 through oneDNN or, without it,
+widened through MKL's fp32 path; fp32 through MKL) against float32 / float64 references, which path bf16 takes, the model runner's use of them (greedy tokens equal the plain
 path's), and the fallback."""
 
 import copy
@@ -16,9 +16,9 @@ from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
-needs_onednn = pytest.mark.skipif(not linear_cpu.prepacked_available(), reason="no oneDNN bf16 on this CPU")
+needs_bf16 = pytest.mark.skipif(not linear_cpu.prepacked_available(), reason="neither oneDNN bf16 nor MKL here")
 needs_mkl = pytest.mark.skipif(not linear_cpu.prepacked_available(torch.float32), reason="torch without MKL")
-PACKABLE = [pytest.param(torch.bfloat16, marks=needs_onednn), pytest.param(torch.float32, marks=needs_mkl)]
+PACKABLE = [pytest.param(torch.bfloat16, marks=needs_bf16), pytest.param(torch.float32, marks=needs_mkl)]
 BF16 = {"rtol": 2**-7, "atol": 1e-6}  # one rounding of the float32 sum to bf16 apart at most
 
 CFG = ModelConfig(
@@ -32,7 +32,7 @@ CFG = ModelConfig(
 )
 
 
-@needs_onednn
+@needs_bf16
 @pytest.mark.parametrize("m,n,k", [(1, 1536, 1024), (3, 7, 33), (8, 96, 2816), (5, 13, 100), (64, 17, 63), (2, 1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
@@ -65,6 +65,43 @@ def test_fp32_packed_linear_matches_the_float64_reference(m, n, k, bias):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     plain_err = (torch.nn.functional.linear(x, w, b) - ref).abs().max()
     assert (y - ref).abs().max() <= 4 * plain_err + 1e-6
+
+
+def test_bf16_takes_onednn_where_it_has_bf16_else_mkl_fp32():
+    assert linear_cpu.bf16_path(onednn_bf16=True, mkl_sgemm=True) == "onednn"
+    assert linear_cpu.bf16_path(onednn_bf16=True, mkl_sgemm=False) == "onednn"
+    assert linear_cpu.bf16_path(onednn_bf16=False, mkl_sgemm=True) == "mkl-fp32"
+    assert linear_cpu.bf16_path(onednn_bf16=False, mkl_sgemm=False) is None
+    # and pack_weight follows the choice this machine makes: a oneDNN bf16 tensor or MKL's fp32 buffer
+    here = linear_cpu.bf16_path(linear_cpu._mkldnn_bf16(), linear_cpu._sgemm() is not None)
+    assert linear_cpu._bf16_path() == here
+    if here is not None:
+        packed = pack_weight(torch.randn(8, 16).bfloat16())
+        assert packed.dtype == torch.bfloat16
+        assert packed.data.dtype == {"onednn": torch.bfloat16, "mkl-fp32": torch.float32}[here]
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_packed_linear_at_serving_shapes_matches_the_reference_as_f_linear_does(m, bias):
+    """A 25M gate_up-sized weight (without oneDNN bf16: widened, MKL's fp32 GEMM, one rounding). The
+    once-rounded float32 reference differs from it only by summation order, so outputs agree but for
+    rare last-bit flips at rounding ties, no more often than bf16 F.linear's, and the error against
+    the float64 product is of F.linear's size."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 512, generator=g).bfloat16()
+    w = (torch.randn(2816, 512, generator=g) / 512**0.5).bfloat16()
+    b = torch.randn(2816, generator=g).bfloat16() if bias else None
+    with torch.inference_mode():
+        y = packed_linear(x, pack_weight(w), b)
+        plain = torch.nn.functional.linear(x, w, b)
+    ref = linear_reference(x, w, b)
+    assert y.shape == (m, 2816) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref.float(), **BF16)
+    assert (y != ref).sum() <= max(int((plain != ref).sum()), y.numel() // 1000)
+    exact = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    assert (y - exact).abs().max() <= 2 * (plain - exact).abs().max()
 
 
 def test_pack_weight_refuses_what_it_cannot_pack():

@@ -4,6 +4,8 @@ MKL's once-packed SGEMM (the same file) beside them,
 at the 110M serving model's shapes (8 layers of qkv / o / gate_up / down plus the LM head, so the
 weights do not sit in L2), M = 1..2048 rows; then whole decode steps of that model through the
 model runner, packed and plain, at batch 1 and 8, with a torch-profiler split of one step.
+Where oneDNN has no bf16 (e.g. AMD Zen 2), "bf16 packed" is the weight widened to fp32 and
+packed by MKL (kernels/linear_cpu.py's bf16_path).
 
 Sides alternate within each round and every side keeps its best, so all see the same load.
 `--clock thread` times one torch thread by its own CPU time: on a machine shared with other work

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from baton.common.checkpoint import load_checkpoint, read_config, verify_hashes
 from baton.common.cli import main
 from baton.common.model import greedy_generate
 from baton.common.tokenizer import Tokenizer
 from baton.train.universal import read_any
+from deepspeed.accelerator import get_accelerator
+from safetensors.torch import load_file
 
 from .conftest import CKPT_STEP, STEPS, TINY, losses, run
 
@@ -67,6 +67,11 @@ RUNS: dict[str, tuple[int, list[str]]] = {
         for into, extra in (("z0", [*DS, "deepspeed.stage=0"]), ("z2", [*DS, "deepspeed.stage=2"]), ("torch", []))
     },
 }
+# DeepSpeed's cpu accelerator has fp16 only on some CPUs (not on an AMD Zen 2, say): there its fp16
+# runs are refused up front (a test below checks the refusal) and the fp16 checks cover the rest.
+DS_FP16 = bool(get_accelerator().is_fp16_supported())
+if not DS_FP16:
+    del RUNS["fp16-z2"], RUNS["overflow-z2"]
 BF16_BACKENDS = ["ddp", "z0", "z1", "z2", "z3", "z2-offload", "z3-offload-cpuadam", "fsdp", "tp", "pp"]
 
 
@@ -133,12 +138,12 @@ def test_a_bf16_zero3_checkpoint_loads_its_float32_masters_at_other_layouts(prec
 def test_fp16_follows_fp32_and_its_loss_scaler_skips_overflows(precision_runs):
     root = precision_runs
     fp32 = losses(root / "fp32")
-    for name in ("fp16", "ddp-fp16", "fp16-z2"):
+    for name in ("fp16", "ddp-fp16", "fp16-z2")[: 3 if DS_FP16 else 2]:
         assert rel(losses(root / name), fp32) < FP16, name
         assert report(root, name)["masters"] == ["float32"] and report(root, name)["compute"] == ["float16"]
     # torch.amp.GradScaler, and DeepSpeed's scaler (which counts its window from the step after an
     # overflow, so it doubles one clean step later)
-    for name, late in (("overflow", 0), ("overflow-z2", 1)):
+    for name, late in (("overflow", 0), ("overflow-z2", 1))[: 2 if DS_FP16 else 1]:
         records = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
         skipped = [r["skipped"] for r in records]
         assert skipped[0] and not all(skipped) and sum(skipped) < STEPS // 2, (name, skipped)

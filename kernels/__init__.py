@@ -5,31 +5,52 @@ path, so Baton works on any machine. The `*_triton` / `*_torch` variants in each
 paths; `reference` holds the plain-torch specification both are tested against. See docs/kernels.md.
 """
 
-from .flash_attention import flash_attn_varlen, flash_attn_with_paged_prefix
-from .kv_cache import reshape_and_cache
-from .paged_attention import paged_attention_decode
-from .quant import quantize_fp8_per_channel, quantize_int4_groupwise, quantize_int8_per_channel, smoothquant_scales
-from .quant_matmul import fp8_weight_matmul, int4_weight_matmul, int8_weight_matmul
-from .rmsnorm import rms_norm
-from .rotary import apply_rotary
-from .activation import swiglu
-from .w8a8 import quantize_per_token, w8a8_matmul
+if __name__ == "kernels":
+    # This directory is baton.kernels. A Python started in a checkout's root (`python -m pytest`,
+    # `python -c`) also sees it as a top-level package `kernels`, which shadows the PyPI package of
+    # that name that transformers imports (a dependency of transformers >= 5.25). Imported under
+    # that name, it loads the real one in its place rather than breaking every transformers model.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
 
-__all__ = [
-    "flash_attn_varlen",
-    "flash_attn_with_paged_prefix",
-    "paged_attention_decode",
-    "reshape_and_cache",
-    "rms_norm",
-    "apply_rotary",
-    "swiglu",
-    "int8_weight_matmul",
-    "int4_weight_matmul",
-    "fp8_weight_matmul",
-    "w8a8_matmul",
-    "quantize_per_token",
-    "quantize_int8_per_channel",
-    "quantize_int4_groupwise",
-    "quantize_fp8_per_channel",
-    "smoothquant_scales",
-]
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    )
+    if _spec is None:
+        raise ModuleNotFoundError(
+            "No module named 'kernels' (this checkout's kernels/ is baton.kernels)", name="kernels"
+        )
+    sys.modules["kernels"] = _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)
+else:
+    from .flash_attention import flash_attn_varlen, flash_attn_with_paged_prefix
+    from .kv_cache import reshape_and_cache
+    from .paged_attention import paged_attention_decode
+    from .quant import quantize_fp8_per_channel, quantize_int4_groupwise, quantize_int8_per_channel, smoothquant_scales
+    from .quant_matmul import fp8_weight_matmul, int4_weight_matmul, int8_weight_matmul
+    from .rmsnorm import rms_norm
+    from .rotary import apply_rotary
+    from .activation import swiglu
+    from .w8a8 import quantize_per_token, w8a8_matmul
+
+    __all__ = [
+        "flash_attn_varlen",
+        "flash_attn_with_paged_prefix",
+        "paged_attention_decode",
+        "reshape_and_cache",
+        "rms_norm",
+        "apply_rotary",
+        "swiglu",
+        "int8_weight_matmul",
+        "int4_weight_matmul",
+        "fp8_weight_matmul",
+        "w8a8_matmul",
+        "quantize_per_token",
+        "quantize_int8_per_channel",
+        "quantize_int4_groupwise",
+        "quantize_fp8_per_channel",
+        "smoothquant_scales",
+    ]

@@ -1,5 +1,6 @@
 """CPU linear layers for inference with the weight packed once, at load: bf16 through oneDNN,
-fp32 through MKL's packed SGEMM, and bf16 through MKL's fp32 path where oneDNN has no bf16.
+fp32 through MKL's packed SGEMM (through oneDNN on non-Intel AVX-512 CPUs), and bf16 through MKL's
+fp32 path where oneDNN has no bf16.
 
 bf16: torch's `F.linear` on a bf16 CPU tensor goes to oneDNN, which reorders the plain [N, K] weight
 into its blocked (AMX / AVX-512 BF16) layout on every call. At decode (M = the batch, 1-64 rows)
@@ -25,6 +26,14 @@ lost at decode). Results equal F.linear's bit for bit from M = 17 (the same MKL 
 that F.linear takes a GEMV path whose sums differ in the last bits (tests/kernels/test_linear_cpu.py
 bounds both against a float64 reference). MKL forbids moving a packed buffer: it is held as a
 plain attribute (no state_dict, `.to()` or deepcopy of it) and a PackedLinear refuses a deepcopy.
+
+fp32 on a CPU with AVX-512 that is not Intel's (AMD Zen 4/5): MKL's SGEMM runs its AVX2 kernels
+there (its AVX-512 ones are Intel-only), while oneDNN JITs for the CPU it finds. Measured on an AMD
+EPYC with AVX-512 (2 threads, the 25M/110M serving shapes): MKL's packed SGEMM 146-194 GFLOP/s,
+oneDNN's fp32 `_linear_pointwise` over a weight reordered once 325-470 (2.0-2.5x at M = 2048,
+2.4-3.3x at M = 16-64, 1.3-3.2x at M = 1). So fp32 takes oneDNN there (`fp32_path`; the same
+reorder as bf16's) and MKL elsewhere (measured at the ceiling on Zen 2 and packed-best on Intel).
+`BATON_CPU_FP32_LINEAR=mkl|onednn` overrides the choice (for measuring one against the other).
 
 bf16 without oneDNN bf16 (a CPU without AVX-512 BF16 / AMX, e.g. AMD Zen 2): torch's bf16 `F.linear`
 there emulates bf16 and ran 4-13x slower than fp32's (25M serving shapes, docs/benchmarks.md, "bf16
@@ -87,14 +96,48 @@ def _load_sgemm() -> _Sgemm | None:
     return _Sgemm(get_size, pack, compute)
 
 
-def _mkldnn_bf16() -> bool:
+def _mkldnn_linear() -> bool:
     mk = torch.ops.mkldnn
     return (
         torch.backends.mkldnn.is_available()
         and hasattr(mk, "_reorder_linear_weight")
         and hasattr(mk, "_linear_pointwise")
-        and bool(mk._is_mkldnn_bf16_supported())
     )
+
+
+def _mkldnn_bf16() -> bool:
+    return _mkldnn_linear() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _cpu_vendor() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def fp32_path(onednn: bool, mkl_sgemm: bool, avx512: bool, intel: bool, choice: str = "") -> str | None:
+    """Which packed path fp32 linears take: `choice` ("mkl" / "onednn", BATON_CPU_FP32_LINEAR) where
+    available; else "onednn" on an AVX-512 CPU that is not Intel's (MKL runs AVX2 kernels there),
+    else "mkl", else "onednn" where only it exists, else None."""
+    have = {"onednn": onednn, "mkl": mkl_sgemm}
+    if have.get(choice):
+        return choice
+    if onednn and (avx512 and not intel or not mkl_sgemm):
+        return "onednn"
+    return "mkl" if mkl_sgemm else None
+
+
+@functools.cache
+def _fp32_path() -> str | None:
+    try:
+        onednn = _mkldnn_linear()
+    except (RuntimeError, AttributeError):
+        onednn = False
+    avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    choice = os.environ.get("BATON_CPU_FP32_LINEAR", "")
+    return fp32_path(onednn, _sgemm() is not None, avx512, _cpu_vendor() == "GenuineIntel", choice)
 
 
 @functools.cache
@@ -123,7 +166,7 @@ def _bf16_path() -> str | None:
 @functools.cache
 def _supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
-        return _sgemm() is not None
+        return _fp32_path() is not None
     return dtype == torch.bfloat16 and _bf16_path() is not None
 
 
@@ -170,6 +213,8 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     w = weight.detach().contiguous()
     if weight.dtype == torch.bfloat16 and _bf16_path() == "onednn":
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype)
+    if weight.dtype == torch.float32 and _fp32_path() == "onednn":
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, FP32_PACK_ROWS), n, k, weight.dtype)
     mkl = _sgemm()
     if mkl is None:
         raise ValueError("pack_weight: this torch has no MKL packed SGEMM (see prepacked_available)")
@@ -189,8 +234,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if x.dtype != packed.dtype or x.shape[-1] != k or x.device.type != "cpu":
         raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} for a {packed.dtype} [{n}, {k}] weight")
     x2 = x.reshape(-1, k)
-    if packed.data.dtype == torch.bfloat16:
-        y = torch.ops.mkldnn._linear_pointwise(x2, packed.data, bias, "none", [], "")
+    if packed.data.is_mkldnn:  # bf16, or fp32 on a non-Intel AVX-512 CPU
+        y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed.data, bias, "none", [], "")
     else:
         x2 = x2.to(torch.float32).contiguous()
         y = torch.empty(x2.shape[0], n, dtype=torch.float32)

@@ -1,5 +1,5 @@
 """CPU linears from a once-packed weight (kernels/linear_cpu.py: bf16 through oneDNN or, without it,
-widened through MKL's fp32 path; fp32 through MKL) against float32 / float64 references, which path bf16 takes, the model runner's use of them (greedy tokens equal the plain
+widened through MKL's fp32 path; fp32 through MKL or oneDNN) against float32 / float64 references, which path bf16 takes, the model runner's use of them (greedy tokens equal the plain
 path's), and the fallback."""
 
 import copy
@@ -46,21 +46,30 @@ def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
     torch.testing.assert_close(y.float(), linear_reference(x, w, b).float(), **BF16)
 
 
-@needs_mkl
+FP32_PATHS = [
+    pytest.param("mkl", marks=pytest.mark.skipif(linear_cpu._sgemm() is None, reason="torch without MKL")),
+    pytest.param("onednn", marks=pytest.mark.skipif(not linear_cpu._mkldnn_linear(), reason="torch without oneDNN")),
+]
+
+
+@pytest.mark.parametrize("path", FP32_PATHS)
 @pytest.mark.parametrize(
     "m,n,k", [(1, 1536, 1024), (3, 7, 33), (16, 96, 2816), (17, 96, 2816), (64, 17, 63), (300, 5, 1)]
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_packed_linear_matches_the_float64_reference(m, n, k, bias):
-    """MKL's packed SGEMM at every batch size (one pack serves all M; the pack's row hint is 64),
-    as close to the float64 product as F.linear's own SGEMM is."""
+def test_fp32_packed_linear_matches_the_float64_reference(monkeypatch, path, m, n, k, bias):
+    """Both fp32 paths at every batch size (one pack serves all M; the pack's row hint is 64), as
+    close to the float64 product as F.linear's own SGEMM is."""
+    monkeypatch.setattr(linear_cpu, "_fp32_path", lambda: path)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(2, m, k, generator=g)
     w = torch.randn(n, k, generator=g) / k**0.5
     b = torch.randn(n, generator=g) if bias else None
     with torch.inference_mode():
-        y = packed_linear(x, pack_weight(w), b)
+        packed = pack_weight(w)
+    y = packed_linear(x, packed, b)
     ref = linear_reference(x, w, b)
+    assert packed.data.is_mkldnn == (path == "onednn")
     assert y.shape == (2, m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     plain_err = (torch.nn.functional.linear(x, w, b) - ref).abs().max()
@@ -79,6 +88,18 @@ def test_bf16_takes_onednn_where_it_has_bf16_else_mkl_fp32():
         packed = pack_weight(torch.randn(8, 16).bfloat16())
         assert packed.dtype == torch.bfloat16
         assert packed.data.dtype == {"onednn": torch.bfloat16, "mkl-fp32": torch.float32}[here]
+
+
+def test_fp32_takes_onednn_on_avx512_cpus_not_intels_else_mkl():
+    def path(onednn=True, mkl=True, avx512=True, intel=False, choice=""):
+        return linear_cpu.fp32_path(onednn, mkl, avx512, intel, choice)
+
+    assert path() == "onednn"  # e.g. an AMD EPYC with AVX-512: MKL would run its AVX2 kernels
+    assert path(intel=True) == "mkl" and path(avx512=False) == "mkl"  # Intel; Zen 2 (AVX2 only)
+    assert path(mkl=False, avx512=False) == "onednn" and path(onednn=False) == "mkl"
+    assert path(onednn=False, mkl=False) is None
+    assert path(choice="mkl") == "mkl" and path(intel=True, choice="onednn") == "onednn"  # the override
+    assert path(onednn=False, choice="onednn") == "mkl"  # an override it cannot take is ignored
 
 
 @needs_bf16

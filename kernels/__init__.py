@@ -5,25 +5,32 @@ path, so Baton works on any machine. The `*_triton` / `*_torch` variants in each
 paths; `reference` holds the plain-torch specification both are tested against. See docs/kernels.md.
 """
 
-if __name__ == "kernels":
-    # This directory is baton.kernels. A Python started in a checkout's root (`python -m pytest`,
-    # `python -c`) also sees it as a top-level package `kernels`, which shadows the PyPI package of
-    # that name that transformers imports (a dependency of transformers >= 5.25). Imported under
-    # that name, it loads the real one in its place rather than breaking every transformers model.
+
+def _shadowed() -> object:
+    """The PyPI package's spec if this directory was imported as a top-level `kernels`, else None.
+
+    This directory is baton.kernels. A Python started in a checkout's root (`python -m pytest`,
+    `python -c`) also sees it as a top-level package `kernels`, which shadows the PyPI package of
+    that name that transformers imports (a dependency of transformers >= 5.25) and so broke every
+    transformers model. Imported under that name, it loads the real one in its place where one is
+    installed (and else stays what it was: transformers then finds no version and ignores it)."""
     import importlib.machinery
-    import importlib.util
     import os
     import sys
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _spec = importlib.machinery.PathFinder.find_spec(
-        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    if __name__ != "kernels":
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
     )
-    if _spec is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels' (this checkout's kernels/ is baton.kernels)", name="kernels"
-        )
-    sys.modules["kernels"] = _module = importlib.util.module_from_spec(_spec)
+
+
+if (_spec := _shadowed()) is not None:
+    import importlib.util as _util
+    import sys as _sys
+
+    _sys.modules["kernels"] = _module = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
 else:
     from .flash_attention import flash_attn_varlen, flash_attn_with_paged_prefix

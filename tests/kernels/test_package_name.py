@@ -18,8 +18,8 @@ def test_top_level_kernels_from_the_checkout_root_is_not_ours():
     try:
         importlib.metadata.distribution("kernels")
     except importlib.metadata.PackageNotFoundError:
-        done = run_in_root("import kernels")
-        assert done.returncode != 0 and "this checkout's kernels/ is baton.kernels" in done.stderr
+        done = run_in_root("import kernels, transformers.modeling_utils; print(kernels.__file__)")
+        assert done.returncode == 0, done.stderr  # what transformers (no `kernels` version) ignores
         return
     done = run_in_root("import kernels, transformers.modeling_utils; print(kernels.__file__)")
     assert done.returncode == 0, done.stderr

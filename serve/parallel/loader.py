@@ -93,13 +93,14 @@ def load_shard(
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the tensors this rank holds (shared tensors counted once). A packed CPU linear
-    (kernels/linear_cpu.py, held outside parameters and buffers) counts as its plain weight: MKL's
-    fp32 pack reserves more address space than it touches (~8 MB even for a tiny matrix), and
-    what is resident is the weight's own size."""
+    (kernels/linear_cpu.py, held outside parameters and buffers) counts as its weight at the width
+    it is packed in: MKL's fp32 pack reserves more address space than it touches (~8 MB even for a
+    tiny matrix), and what is resident is the weight's own size, at 4 bytes where a bf16 weight
+    was widened to fp32 (a CPU without oneDNN bf16)."""
     seen, total = set(), 0
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            total += m.out_features * m.in_features * m.packed.dtype.itemsize
+            total += m.out_features * m.in_features * m.packed.data.element_size()
             if m.bias is not None and m.bias.data_ptr() not in seen:
                 seen.add(m.bias.data_ptr())
                 total += m.bias.numel() * m.bias.element_size()

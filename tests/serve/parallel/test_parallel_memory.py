@@ -12,9 +12,13 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from baton.common.checkpoint import read_config, weight_files
+from baton.common.config import ModelConfig
+from baton.common.model import build_model
+from baton.kernels import linear_cpu
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
 
@@ -123,3 +127,24 @@ def test_each_rank_holds_its_share(tmp_path_factory, name, tp, pp, moe):
             totals.append(weight_bytes(model))
     # Replicated tensors are a few percent of this model; every rank holds well under its 1/(T P) + 25%.
     assert max(totals) < whole / (tp * pp) * 1.25, (totals, whole)
+
+
+@pytest.mark.parametrize(
+    "dtype,path,width",
+    [(torch.float32, None, 4), (torch.bfloat16, "onednn", 2), (torch.bfloat16, "mkl-fp32", 4)],
+    ids=["fp32", "bf16", "bf16-widened"],
+)
+def test_packed_linears_count_at_the_width_they_are_packed_in(monkeypatch, dtype, path, width):
+    """A bf16 weight widened to fp32 for MKL (a CPU without oneDNN bf16) holds 4 bytes a weight."""
+    if path is not None:
+        monkeypatch.setattr(linear_cpu, "_bf16_path", lambda: path)
+    needs = {None: linear_cpu.prepacked_available(dtype), "onednn": linear_cpu._mkldnn_bf16()}
+    if not needs.get(path, linear_cpu._sgemm() is not None):
+        pytest.skip("this torch cannot pack that path here")
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)  # fmt: skip
+    model = build_model(cfg, seed=0).to(dtype)
+    linears = sum(m.weight.numel() for m in model.modules() if type(m) is torch.nn.Linear)
+    before = weight_bytes(model)
+    assert linear_cpu.pack_linears(model) == 8  # q, k, v, o, gate, up, down and the LM head
+    assert weight_bytes(model) == before + linears * (width - dtype.itemsize)

@@ -122,8 +122,12 @@ def fp32_path(onednn: bool, mkl_sgemm: bool, avx512: bool, intel: bool, choice: 
     available; else "onednn" on an AVX-512 CPU that is not Intel's (MKL runs AVX2 kernels there),
     else "mkl", else "onednn" where only it exists, else None."""
     have = {"onednn": onednn, "mkl": mkl_sgemm}
+    if choice and choice not in have:
+        raise ValueError(f"BATON_CPU_FP32_LINEAR={choice!r}: 'mkl' or 'onednn' (or unset: chosen by the CPU)")
     if have.get(choice):
         return choice
+    if choice:
+        log.warning("BATON_CPU_FP32_LINEAR=%s: this torch has no %s; choosing by the CPU", choice, choice)
     if onednn and (avx512 and not intel or not mkl_sgemm):
         return "onednn"
     return "mkl" if mkl_sgemm else None

@@ -67,7 +67,7 @@ def test_fp32_packed_linear_matches_the_float64_reference(monkeypatch, path, m, 
     b = torch.randn(n, generator=g) if bias else None
     with torch.inference_mode():
         packed = pack_weight(w)
-    y = packed_linear(x, packed, b)
+        y = packed_linear(x, packed, b)
     ref = linear_reference(x, w, b)
     assert packed.data.is_mkldnn == (path == "onednn")
     assert y.shape == (2, m, n) and y.dtype == torch.float32
@@ -99,7 +99,9 @@ def test_fp32_takes_onednn_on_avx512_cpus_not_intels_else_mkl():
     assert path(mkl=False, avx512=False) == "onednn" and path(onednn=False) == "mkl"
     assert path(onednn=False, mkl=False) is None
     assert path(choice="mkl") == "mkl" and path(intel=True, choice="onednn") == "onednn"  # the override
-    assert path(onednn=False, choice="onednn") == "mkl"  # an override it cannot take is ignored
+    assert path(onednn=False, choice="onednn") == "mkl"  # an override it cannot take falls back
+    with pytest.raises(ValueError, match="BATON_CPU_FP32_LINEAR.*'mkl' or 'onednn'"):
+        path(choice="mlk")
 
 
 @needs_bf16

@@ -22,7 +22,7 @@ def _step(dtype, decode_lens, chunks, seed=0):
     """Pools holding every sequence's cached tokens, and the step's q/k/v + metadata. decode_lens:
     context lengths (the new token included); chunks: (prefix, new tokens)."""
     g = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)
     seqs = [(n - 1, 1) for n in decode_lens] + list(chunks)
     blocks = [list(range(1 + 8 * i, 1 + 8 * i + (p + n + BLOCK - 1) // BLOCK)) for i, (p, n) in enumerate(seqs)]
     k_cache, v_cache = rnd(1 + 8 * len(seqs), BLOCK, KV_HEADS, DIM), rnd(1 + 8 * len(seqs), BLOCK, KV_HEADS, DIM)

@@ -323,6 +323,7 @@ def summarise(cell: dict, sides: list[str], params: int, ceiling: dict, dtype: s
         gflops = max(v for k, v in ceiling.items() if k.startswith(dt))  # the best GEMM rate seen: the ceiling
         s[side] = {
             "best_tok_per_s": tok,
+            "round_best_tok_per_s": [max(r["tok_per_s"]) for r in runs],  # one per round, in order
             "startup_s": min(r["startup_s"] for r in runs),
             "prefill_tok_per_s": max(r["prefill_tok_per_s"] for r in runs),
             "decode_tok_per_s": dec,
@@ -343,6 +344,9 @@ def table(results: dict) -> str:
         pre = " / ".join(f"{x} {s[x]['prefill_tok_per_s']:.0f}" for x in sides)
         if "vllm" in s:
             ratio = f"{s['baton']['best_tok_per_s'] / s['vllm']['best_tok_per_s']:.2f}x"
+            by_round = [b / v for b, v in zip(s["baton"]["round_best_tok_per_s"], s["vllm"]["round_best_tok_per_s"])]
+            if len(by_round) > 1:  # on a noisy machine the spread says as much as the best pair
+                ratio += f" (rounds {min(by_round):.2f}-{max(by_round):.2f}x)"
             b1 = f"{s['baton']['decode_tok_per_s']['1'] / s['vllm']['decode_tok_per_s']['1']:.2f}x"
         ceil = " / ".join(f"{x} {100 * (s[x]['decode64_fraction_of_ceiling'] or 0):.0f}%" for x in sides)
         start = " / ".join(f"{s[x]['startup_s']:.1f}" for x in sides)

@@ -302,7 +302,7 @@ def hf_greedy(model_dir: Path, work: list) -> list[list[int]]:
             tokens = []
             for _ in range(n):
                 tokens.append(int(out.logits[0, -1].argmax()))
-                kv = "cache" if "cache" in out else "past_key_values"  # transformers >= 5.25 names it cache
+                kv = "cache" if "cache" in out else "past_key_values"  # transformers 5.25 names it cache
                 out = model(torch.tensor([[tokens[-1]]]), **{kv: out[kv]}, use_cache=True)
             outs.append(tokens)
     return outs

@@ -31,7 +31,9 @@ class AttentionBackend(Protocol):
 
     q: [B, S, Hq, D], k and v: [B, S, Hkv, D], already rotated; returns [B, S, Hq, D].
     `layer` gives layer_idx, scaling and sliding_window. A serving backend packs all sequences
-    of a step into B=1 and reads its own metadata (block tables, slot mapping) set per step.
+    of a step into B=1 and reads its own metadata (block tables, slot mapping) set per step. It
+    may answer only some rows (the ones a server samples, at the last layer: the others' outputs
+    would feed nothing): then it returns [1, len(query_rows), Hq, D] and its `query_rows` names them.
     """
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention") -> torch.Tensor: ...
@@ -107,7 +109,7 @@ class Attention(nn.Module):
             q = torch.cat([qr.view(b, s, self.num_heads, r), q[..., r:]], dim=-1)
             k = torch.cat([kr.view(b, s, self.num_kv_heads, r), k[..., r:]], dim=-1)
         out = attn(q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1), v, self)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, -1, self.num_heads * self.head_dim))  # -1: the rows answered
 
 
 class MLP(nn.Module):
@@ -228,6 +230,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        if a.shape[1] != x.shape[1]:  # the backend answered only its query_rows (a server's last layer)
+            x = x[:, attn.query_rows]
         ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
         if self.fuse_residual_norm:  # the same sums, one read and write of the hidden states fewer
             h, x = self.post_attention_layernorm(a, residual=x)

@@ -102,6 +102,9 @@ class PagedAttention:
         self.kv_caches = kv_caches
         self.kv_cache_dtype = kv_cache_dtype  # "int8"/"fp8": packed quantized pools (quantization/kv_cache.py)
         self.metadata: AttentionMetadata | None = None
+        # Set per step by the runner: at layer query_rows_layer, answer only these rows (the sampled ones).
+        self.query_rows: torch.Tensor | None = None
+        self.query_rows_layer = -1
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention) -> torch.Tensor:
         md = self.metadata
@@ -113,6 +116,8 @@ class PagedAttention:
         else:  # quantize on write; attend over the blocks this step reads, dequantized
             k_cache, v_cache, md = write_and_read(k, v, k_cache, v_cache, md, self.kv_cache_dtype, q.dtype)
         window = layer.sliding_window if md.window_in_cache else None
+        if self.query_rows is not None and layer.layer_idx == self.query_rows_layer:
+            return self._answer_rows(q, k_cache, v_cache, md, layer.scaling, window)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if md.trees and window is None and cpu_kernel_fits(q, k_cache, v_cache):  # all trees in one call
@@ -160,6 +165,17 @@ class PagedAttention:
                 sliding_window=window,
                 softmax_scale=layer.scaling,
             )
+        return out.unsqueeze(0)
+
+    def _answer_rows(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int | None):
+        """The query_rows alone, each a decode row over its sequence's cache up to itself (every
+        row's K/V is written): [1, rows, Hq, D]. The runner asks this at the last layer of a step
+        with prefill chunks, whose other rows would only feed outputs nobody reads (model_runner.py)."""
+        tables, lens = md.rows_over_cache
+        r = self.query_rows
+        out = paged_attention_decode(
+            q[r], k_cache, v_cache, tables[r], lens[r], softmax_scale=scale, sliding_window=window
+        )
         return out.unsqueeze(0)
 
 

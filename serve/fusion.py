@@ -31,7 +31,7 @@ class FusedQKVAttention(Attention):
             q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), cos.reshape(t, -1), sin.reshape(t, -1)
         )
         out = attn(q.view(b, s, self.num_heads, d), k.view(b, s, self.num_kv_heads, d), v.view(b, s, -1, d), self)
-        return self.o_proj(out.reshape(b, s, self.num_heads * d))
+        return self.o_proj(out.reshape(b, -1, self.num_heads * d))  # -1: the rows answered
 
 
 class FusedMLP(MLP):

@@ -6,6 +6,13 @@ its pipeline stage's layers (`layers`), its attention heads, and KV pools for ex
 A hybrid model (Bamba) has KV pools for its attention layers only, and a StatePool
 (serve/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
 BlockManager's StateSlots, which say each scheduled sequence's slot.
+
+A step with prefill chunks samples one row per finished prompt (none for a chunk that ends
+mid-prompt), yet every row's output of the last layer would be computed for nothing: only its K/V
+(written by that layer's attention) are read later. So the last layer runs its attention, output
+projection and MLP for the sampled rows alone (`answer_sampled_rows`; the backend's query_rows),
+which takes ~1/num_layers of a prefill chunk's FLOPs off: 12% of the 110M serving model's
+(docs/benchmarks.md, "Serving speed"). Decode steps sample every row and run unchanged.
 """
 
 from __future__ import annotations
@@ -164,6 +171,16 @@ class ModelRunner:
         self.entry_layer = 0
         self.num_executes = 0
         self.num_late_rows = 0  # rows that entered late, in all steps so far
+        # The last layer for the sampled rows only (module docstring): where the runner holds it,
+        # the backend is plain paged attention over an unquantized cache (a hybrid's last layer
+        # may be a mixer; a quantized cache attends a chunk to its own K/V unrounded).
+        last = cfg.num_hidden_layers - 1
+        self.answer_sampled_rows = (
+            self.layer_ids.stop == cfg.num_hidden_layers
+            and type(self.attn) is PagedAttention
+            and kv_cache_dtype == "auto"
+            and hasattr(self.model.model.layers[last], "self_attn")
+        )
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:
@@ -209,11 +226,22 @@ class ModelRunner:
         return StepPlan.build(scheduled, self.block_size, positions_in_cache, window_in_cache, return_hidden)
 
     @torch.inference_mode()
-    def forward(self, plan: StepPlan, hidden: torch.Tensor | None = None, layers: range | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        plan: StepPlan,
+        hidden: torch.Tensor | None = None,
+        layers: range | None = None,
+        sampled_only: bool = False,
+    ) -> torch.Tensor:
         """This runner's layers (or the global `layers`, a part of them) over the plan's tokens:
         from the embedding, or from `hidden` [1, T, hidden], the input of the first of them (the
-        previous pipeline stage's output, LayerSkip's rows entering late). Returns [1, T, hidden]."""
+        previous pipeline stage's output, LayerSkip's rows entering late). Returns [1, T, hidden];
+        with `sampled_only` (where answer_sampled_rows), the sampled rows' alone, [1, S, hidden],
+        when they are fewer."""
         input_ids, positions, md = self.inputs.tensors(plan)
+        if sampled_only and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
+            self.attn.query_rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+            self.attn.query_rows_layer = self.layer_ids.stop - 1
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
@@ -226,7 +254,7 @@ class ModelRunner:
         try:
             return run_layers(mods, x, positions, inner.inv_freq, self.attn)
         finally:
-            self.attn.metadata = None
+            self.attn.metadata = self.attn.query_rows = None
 
     @torch.inference_mode()
     def forward_late(
@@ -270,9 +298,12 @@ class ModelRunner:
     @torch.inference_mode()
     def head(self, plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [rows, vocab], final hidden states [rows, hidden] when the plan asks) of the
-        rows to sample. RMSNorm is per row, so only the sampled rows are normalised."""
+        rows to sample (x: every row's, or the sampled rows' alone). RMSNorm is per row, so only
+        the sampled rows are normalised."""
         r = plan.sample_rows
-        if r and r[-1] - r[0] == len(r) - 1:  # consecutive rows (every row at decode): a view, no gather
+        if x.shape[1] != plan.num_tokens:  # forward(sampled_only=True) answered those rows alone
+            picked = x[0]
+        elif r and r[-1] - r[0] == len(r) - 1:  # consecutive rows (every row at decode): a view, no gather
             picked = x[0, r[0] : r[-1] + 1]
         else:
             picked = x[0][torch.tensor(r, dtype=torch.long, device=self.device)]
@@ -295,7 +326,7 @@ class ModelRunner:
             if entries:
                 x = self.forward_late(plan, plan_chunks(scheduled)[0], entries, positions_in_cache)
             else:
-                x = self.forward(plan)
+                x = self.forward(plan, sampled_only=self.answer_sampled_rows)
         finally:
             self.num_executes += 1
         logits, hidden = self.head(plan, x)

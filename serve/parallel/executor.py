@@ -254,8 +254,8 @@ def _stage(
             dist.recv(x, src=(pp_rank - 1) * topo.tp + tp)
         if entries and late is not None:
             x = runner.forward_late(plan, late[0][i], entries, late[1])
-        else:
-            x = runner.forward(plan, x)
+        else:  # the last stage's last layer answers the sampled rows alone (model_runner.py)
+            x = runner.forward(plan, x, sampled_only=runner.answer_sampled_rows)
         if not shard.last_stage:
             pending.append((dist.isend(x, dst=(pp_rank + 1) * topo.tp + tp), x))
             continue

@@ -64,6 +64,48 @@ def test_short_chunks_run_as_decode_rows_and_match_a_dense_forward():
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_the_last_layer_runs_for_the_sampled_rows_only_and_still_writes_every_rows_kv(window):
+    """A step of chunks samples one row per finished prompt: the last layer's MLP sees those rows
+    alone, the logits equal a dense forward's, and the K/V every layer wrote equal a runner's that
+    computes every row (so the next steps, decoding over them, equal the dense forward too)."""
+    cfg = dataclasses.replace(CFG, sliding_window=window, model_type="mistral" if window else CFG.model_type)
+    runners = {}
+    for pruned in (True, False):
+        runners[pruned] = ModelRunner(build_model(cfg, seed=0), num_blocks=16, block_size=4)
+        runners[pruned].answer_sampled_rows = pruned
+    dense = build_model(cfg, seed=0)
+    mlp_rows = []
+    runners[True].layers[-1].mlp.register_forward_hook(lambda m, a, out: mlp_rows.append(a[0].shape[1]))
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (10, 13, 20)]
+    seqs = {p: [Sequence(i, str(i), 0, list(t), SamplingParams()) for i, t in enumerate(prompts)] for p in runners}
+    for group in seqs.values():
+        for s, table in zip(group, ([0, 1, 2, 12], [3, 4, 5, 6], [7, 8, 9, 10, 11, 13])):
+            s.block_table = table
+    steps = [[(0, 9), (1, 7)], [(2, 20), (1, 6), (0, 1)], [(0, 1), (1, 1), (2, 1)]]
+    for n_step, plan in enumerate(steps):
+        got = {}
+        for pruned, runner in runners.items():
+            group = seqs[pruned]
+            got[pruned] = runner.execute([(group[i], n) for i, n in plan])
+            for i, n in plan:
+                group[i].num_computed_tokens += n
+        for (k0, v0), (k1, v1) in zip(runners[True].kv_caches, runners[False].kv_caches):
+            torch.testing.assert_close(k0, k1, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v0, v1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[True].logits, got[False].logits, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            want = [dense(torch.tensor([s.token_ids[: s.num_computed_tokens]]))[0, -1] for s, _ in got[True].groups]
+        if want:
+            torch.testing.assert_close(got[True].logits, torch.stack(want), atol=1e-4, rtol=1e-4)
+        assert len(got[True].logits) == [0, 3, 3][n_step]
+        for j, (s, _) in enumerate(got[False].groups):  # the next tokens, the same for both runners
+            for group in seqs.values():
+                group[s.seq_id].token_ids.append(int(got[False].logits[j].argmax()))
+    assert mlp_rows == [0, 3, 3]  # nothing sampled, then 3 of 27 rows, then a decode step's 3 of 3
+
+
 def test_the_model_runner_fuses_residual_norms():
     model = build_model(
         ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),

@@ -241,9 +241,11 @@ class ModelRunner:
         with `sampled_only` (where answer_sampled_rows), the sampled rows' alone, [1, S, hidden],
         when they are fewer."""
         input_ids, positions, md = self.inputs.tensors(plan)
-        if sampled_only and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
+        last = self.layer_ids.stop - 1
+        runs_last = layers is None or layers.stop == last + 1
+        if sampled_only and runs_last and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
             self.attn.query_rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-            self.attn.query_rows_layer = self.layer_ids.stop - 1
+            self.attn.query_rows_layer = last
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
@@ -264,7 +266,8 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The step's forward when some rows enter at entry_layer E: the other rows run layers < E
         as a sub-batch of their own (each chunk less its late rows, packed in the usual order),
-        then every row's layer-E input, in the plan's row order, runs layers >= E in one pass."""
+        then every row's layer-E input, in the plan's row order, runs layers >= E in one pass (the
+        last of them for the sampled rows alone, as in execute)."""
         low, late_rows, late_hidden, row = [], [], [], 0
         for c in chunks:  # the plan's, in packing order
             e, m = entries.get(c.seq_id), 0
@@ -276,8 +279,9 @@ class ModelRunner:
             if m < len(c.tokens):
                 low.append((dataclasses.replace(c, start=c.start + m, tokens=c.tokens[m:]), row + m))
             row += len(c.tokens)
+        trim = self.answer_sampled_rows  # the last layer for the sampled rows only, as in execute
         if not late_rows:
-            return self.forward(plan)
+            return self.forward(plan, sampled_only=trim)
         low.sort(key=lambda x: (x[0].spec_parents is not None, len(x[0].tokens) > DECODE_ROWS))  # packing order
         E, cfg = self.entry_layer, self.model.config
         x = torch.empty(1, plan.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
@@ -287,7 +291,7 @@ class ModelRunner:
             x[0, torch.tensor(rows, device=self.device)] = self.forward(sub, layers=range(E))[0]
         x[0, torch.tensor(late_rows, device=self.device)] = torch.cat(late_hidden).to(self.dtype)
         self.num_late_rows += len(late_rows)
-        return self.forward(plan, x, layers=range(E, cfg.num_hidden_layers))
+        return self.forward(plan, x, layers=range(E, cfg.num_hidden_layers), sampled_only=trim)
 
     def _entry_fits(self, e: LateEntry, c: Chunk) -> bool:
         """Written for this chunk: this step, from its first token, at the slots its rows have now."""

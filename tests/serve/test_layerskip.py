@@ -64,14 +64,16 @@ def test_every_row_runs_the_layers_below_the_exit_once(checkpoints):
         checkpoints / "exits",
         EngineConfig(num_kv_blocks=64, block_size=4, speculative=SpeculativeConfig("layerskip", 3)),
     )
-    rows = {0: 0, 2: 0}
+    rows, answered = {0: 0, 2: 0}, []  # rows into layers 0 and E; rows out of E, the last layer
+
+    def count(i: int):
+        return lambda m, a, out: rows.__setitem__(i, rows[i] + a[0].shape[1])
+
     for i in rows:
-        engine.runner.layers[i].register_forward_hook(
-            lambda m, a, out, i=i: rows.__setitem__(
-                i, rows[i] + a[0].shape[1]
-            )  # rows in (the last layer answers fewer)
-        )
+        engine.runner.layers[i].register_forward_hook(count(i))
+    engine.runner.layers[2].register_forward_hook(lambda m, a, out: answered.append(out.shape[1]))
     run_staggered_logprobs(engine, PROMPTS, GREEDY)
+    assert sum(answered) < rows[2]  # with prompt chunks in a step, the last layer answers its sampled rows alone
     stats = engine.speculative.stats
     assert stats.proposed > 0 and stats.accepted > 0
     assert engine.runner.num_late_rows >= stats.proposed  # every proposal but the last, and each pending token

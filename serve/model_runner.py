@@ -241,11 +241,6 @@ class ModelRunner:
         with `sampled_only` (where answer_sampled_rows), the sampled rows' alone, [1, S, hidden],
         when they are fewer."""
         input_ids, positions, md = self.inputs.tensors(plan)
-        last = self.layer_ids.stop - 1
-        runs_last = layers is None or layers.stop == last + 1
-        if sampled_only and runs_last and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
-            self.attn.query_rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
-            self.attn.query_rows_layer = last
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
@@ -254,8 +249,13 @@ class ModelRunner:
         if layers is not None:
             first = self.layer_ids.start
             mods = self.layers[layers.start - first : layers.stop - first]
+        last = self.layer_ids.stop - 1
+        runs_last = layers is None or layers.stop == last + 1
         self.attn.metadata = md
-        try:
+        try:  # set and cleared together, so a step that fails leaves nothing for the next one
+            if sampled_only and runs_last and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
+                self.attn.query_rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
+                self.attn.query_rows_layer = last
             return run_layers(mods, x, positions, inner.inv_freq, self.attn)
         finally:
             self.attn.metadata = self.attn.query_rows = None

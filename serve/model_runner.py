@@ -34,6 +34,7 @@ from baton.kernels.linear_cpu import pack_linears
 from baton.kernels.reference import rotate_half
 from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
+from baton.serve.cpu_layers import bind as bind_cpu_layers
 from baton.serve.fusion import fuse_projections
 from baton.serve.input_batch import InputBatch
 from baton.serve.quantization.kv_cache import pool_layout
@@ -167,6 +168,8 @@ class ModelRunner:
             self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
+        # On CPU a step's layers run without the modules' Python between kernels where they can (cpu_layers.py).
+        self.cpu_layers = bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
         self.inputs = InputBatch(self.device)  # the step tensors, block-table rows kept between steps
         # Rows of the next step that skip the layers below entry_layer (set by a LayerSkip proposer).
         self.late_entries: dict[int, LateEntry] = {}
@@ -256,6 +259,8 @@ class ModelRunner:
             if sampled_only and runs_last and len(plan.sample_rows) < plan.num_tokens and not plan.trees:
                 self.attn.query_rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
                 self.attn.query_rows_layer = last
+            if self.cpu_layers is not None and self.cpu_layers.takes(mods, md):
+                return self.cpu_layers.run(mods, x, positions, inner.inv_freq, md)
             return run_layers(mods, x, positions, inner.inv_freq, self.attn)
         finally:
             self.attn.metadata = self.attn.query_rows = None

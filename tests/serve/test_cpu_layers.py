@@ -1,0 +1,94 @@
+"""The CPU step's layers run without the modules (serve/cpu_layers.py): bit for bit the modules'
+forward, K/V pools included, through chunked prefill over cached prefixes, decode rows and the
+last layer's sampled rows; and the modules again wherever the path does not apply."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from baton.common.config import ModelConfig
+from baton.common.model import build_model
+from baton.serve.cpu_layers import CpuLayers
+from baton.serve.model_runner import ModelRunner
+from baton.serve.sampling_params import SamplingParams
+from baton.serve.sequence import Sequence
+
+CFG = ModelConfig(  # head_dim 32: the C++ decode kernel's vector path
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+VARIANTS = {
+    "llama": {},
+    "mistral-window": {"sliding_window": 6, "model_type": "mistral"},
+    "qwen2-bias": {"qkv_bias": True, "model_type": "qwen2"},
+}
+
+
+def _runner(cfg: ModelConfig, dtype: torch.dtype, fast: bool) -> ModelRunner:
+    runner = ModelRunner(build_model(cfg, seed=0, dtype=dtype), num_blocks=16, block_size=4)
+    assert isinstance(runner.cpu_layers, CpuLayers) and len(runner.cpu_layers.bound) == cfg.num_hidden_layers
+    if not fast:
+        runner.cpu_layers = None
+    return runner
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_cpu_layers_equal_the_modules_bit_for_bit(variant, dtype):
+    cfg = dataclasses.replace(CFG, **VARIANTS[variant])
+    runners = {fast: _runner(cfg, dtype, fast) for fast in (True, False)}
+    ran = []
+    layers = runners[True].cpu_layers
+    run = layers.run
+    layers.run = lambda *a, **k: ran.append(1) or run(*a, **k)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in (10, 13, 20)]
+    seqs = {f: [Sequence(i, str(i), 0, list(t), SamplingParams()) for i, t in enumerate(prompts)] for f in runners}
+    for group in seqs.values():
+        for s, table in zip(group, ([0, 1, 2, 12, 14], [3, 4, 5, 6, 15], [7, 8, 9, 10, 11, 13])):
+            s.block_table = table
+    # a chunk and decode rows; a prompt, rows over a cached prefix and a prompt's last token (the
+    # last layer answers the sampled rows only); then decode steps
+    steps = [[(0, 9), (1, 7)], [(2, 20), (1, 6), (0, 1)]] + [[(0, 1), (1, 1), (2, 1)]] * 3
+    dense = build_model(cfg, seed=0, dtype=dtype)
+    for plan in steps:
+        got = {}
+        for fast, runner in runners.items():
+            group = seqs[fast]
+            got[fast] = runner.execute([(group[i], n) for i, n in plan])
+            for i, n in plan:
+                group[i].num_computed_tokens += n
+        for (k0, v0), (k1, v1) in zip(runners[True].kv_caches, runners[False].kv_caches):
+            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+        assert torch.equal(got[True].logits, got[False].logits)
+        if got[True].groups and dtype == torch.float32:  # and both equal a dense forward (an independent path)
+            with torch.no_grad():
+                want = [dense(torch.tensor([s.token_ids[: s.num_computed_tokens]]))[0, -1] for s, _ in got[True].groups]
+            torch.testing.assert_close(got[True].logits, torch.stack(want), atol=1e-4, rtol=1e-4)
+        for j, (s, _) in enumerate(got[False].groups):
+            for group in seqs.values():
+                group[s.seq_id].token_ids.append(int(got[False].logits[j].argmax()))
+    assert len(ran) == len(steps)  # every step took the path under test
+
+
+def test_a_hook_a_tree_or_a_quantized_cache_sends_the_step_through_the_modules():
+    runner = _runner(CFG, torch.float32, True)
+    layers, md = runner.layers, runner.plan([])[0].tensors(runner.device)[2]
+    assert runner.cpu_layers.takes(layers, md)
+    handle = layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    assert not runner.cpu_layers.takes(layers, md)  # a probe or tensor parallelism's all-reduce
+    handle.remove()
+    assert not runner.cpu_layers.takes(layers, dataclasses.replace(md, trees=[object()]))
+    quantized = ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4, kv_cache_dtype="int8")
+    assert quantized.cpu_layers is None
+
+
+def test_batons_cpu_layers_switch_turns_the_path_off(monkeypatch):
+    monkeypatch.setenv("BATON_CPU_LAYERS", "0")
+    assert ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4).cpu_layers is None

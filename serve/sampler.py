@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from baton.kernels.argmax import first_max
 from baton.serve.grammar import mask_logits
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
@@ -370,7 +371,7 @@ def _greedy_tokens(logits: torch.Tensor) -> list[int] | None:
     when some row's maximum is not finite (NaN, +-inf), which the full path cleans first. Where
     every maximum is finite, finite_logits changes nothing that argmax sees (NaN and -inf are
     below it, and there is no +inf), so the tokens are the full path's."""
-    peak, arg = logits.max(-1)
+    peak, arg = first_max(logits)  # on CPU one C++ pass (torch's max(-1) is a scalar loop there)
     host = torch.stack([arg.double(), peak.double()]).tolist()
     if not all(math.isfinite(v) for v in host[1]):
         return None

@@ -16,6 +16,7 @@ std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
                                                 torch::Tensor sin);
 torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
+std::tuple<torch::Tensor, torch::Tensor> first_max(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
@@ -31,4 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("cos"), py::arg("sin"));
   m.def("swiglu", &swiglu, "silu(gate) * up over rows that may be strided (the fused gate/up output's halves)",
         py::arg("gate"), py::arg("up"));
+  m.def("first_max", &first_max, "(max, index of its first occurrence) of each row; NaN where a row is not all finite",
+        py::arg("x"));
 }

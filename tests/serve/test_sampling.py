@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from baton.kernels import argmax
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampler import apply_penalties, sample, target_distribution, target_distributions, truncate
 from baton.serve.sampling_params import SamplingParams
@@ -283,10 +285,16 @@ def test_kv_cache_too_small_for_one_sequence_is_rejected(ckpt):
         engine.add_request("big", list(range(20)), SamplingParams(max_tokens=10))
 
 
+@pytest.mark.parametrize("path", ["c++", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_plain_greedy_rows_take_the_first_maximum_of_the_cleaned_logits(dtype):
-    """All-greedy batches take a fast path (argmax, one host copy); rows whose maximum is not
-    finite go through the full path. Either way: the first maximum after NaN -> -inf, +inf -> max."""
+def test_plain_greedy_rows_take_the_first_maximum_of_the_cleaned_logits(dtype, path, monkeypatch):
+    """All-greedy batches take a fast path (the first maximum, one host copy: C++ on CPU once the
+    serving kernels are loaded, else torch's max); rows whose maximum is not finite go through the
+    full path. Either way: the first maximum after NaN -> -inf, +inf -> max."""
+    if path == "torch":
+        monkeypatch.setattr(argmax, "loaded_cpu_kernels", lambda *t: None)
+    else:
+        assert cpu_kernels() is not None
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(8, 64, generator=g) * 3).to(dtype)
     logits[1, [4, 9, 30]] = logits[1].max() + 1  # a three-way tie: the first wins

@@ -293,7 +293,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> None:
+        """Queue a request; `final_only`: step() reports it once, finished (nothing to stream)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -319,6 +321,7 @@ class LLMEngine:
             [self._detok(params)],
             [""],
             [0],
+            final_only=final_only,
         )
         self.scheduler.add(seq)
 
@@ -497,8 +500,11 @@ class LLMEngine:
         outputs = []
         for req in touched.values():
             if req.error is None:
+                final = all(s.is_finished for s in req.seqs)
+                if req.final_only and not final:
+                    continue
                 try:
-                    outputs.append(req.output(final=all(s.is_finished for s in req.seqs)))
+                    outputs.append(req.output(final=final))
                 except Exception as e:
                     self._fail(req, "output", e)
         if self._failed:

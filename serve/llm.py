@@ -88,7 +88,7 @@ class LLM:
             self.engine.validate_request(prompt, p)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for rid, prompt, p in zip(ids, prompts, params_list):
-            self.engine.add_request(rid, prompt, p)
+            self.engine.add_request(rid, prompt, p, final_only=True)  # it reads finished outputs only
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():

@@ -22,6 +22,7 @@ class RequestState:
     emitted_text: list[str]  # text already reported per sample (stop-string hold-back)
     reported_tokens: list[int]
     error: str | None = None  # why the engine failed it (then every sample is retired)
+    final_only: bool = False  # report the final output alone (the offline LLM's; vLLM's FINAL_ONLY)
 
     def output(self, final: bool) -> RequestOutput:
         """Cumulative and new text/tokens per sample since the last output. A failed request adds

@@ -7,6 +7,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd_cpu.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -18,13 +20,7 @@ namespace {
 
 constexpr int64_t kBlock = 64;
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using baton_simd::widen;
 inline uint32_t nan_or_inf(float x) {  // NaN or +inf: 1
   uint32_t b;
   std::memcpy(&b, &x, sizeof b);

@@ -13,6 +13,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -23,28 +25,9 @@
 
 namespace {
 
-// bfloat16 <-> float as bit operations the compiler vectorizes (c10::BFloat16's conversions, called
-// element by element, did not: RMSNorm with the residual ran 6x slower in bf16 than in fp32 at a
-// decode batch). narrow() rounds to nearest even, as c10 does, and keeps a NaN a NaN.
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-template <typename T>
-inline T narrow(float x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x;
-  } else {
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;  // an integer test: -ffast-math keeps it
-    return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
-  }
-}
+using baton_simd::narrow;
+using baton_simd::widen;
+
 template <typename T>
 inline float round_to(float x) { return widen(narrow<T>(x)); }  // x as the dtype would hold it
 

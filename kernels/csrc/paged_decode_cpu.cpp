@@ -34,8 +34,6 @@ using namespace baton_simd;
 
 constexpr float kHidden = -1e30f;  // a hidden token's score: exp(kHidden - max) is exactly 0
 
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 
 template <typename T>
 struct Args {

@@ -10,8 +10,33 @@
 #endif
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace baton_simd {
+
+// Scalar conversions, written as bit operations so that the loops around them vectorize (c10's
+// own, called element by element, kept them scalar): bfloat16 widens by a 16-bit shift; narrow()
+// rounds to nearest even, as c10 does, and keeps a NaN a NaN.
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename T>
+inline T narrow(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    const bool nan = (bits & 0x7FFFFFFFu) > 0x7F800000u;  // an integer test: -ffast-math keeps it
+    return c10::BFloat16(static_cast<uint16_t>(nan ? 0x7FC0u : rounded), c10::BFloat16::from_bits());
+  }
+}
 
 #if defined(__AVX512F__)
 #define BATON_SIMD "avx512"

@@ -92,3 +92,20 @@ def test_a_hook_a_tree_or_a_quantized_cache_sends_the_step_through_the_modules()
 def test_batons_cpu_layers_switch_turns_the_path_off(monkeypatch):
     monkeypatch.setenv("BATON_CPU_LAYERS", "0")
     assert ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4).cpu_layers is None
+
+
+def test_plain_linears_take_the_path_too(monkeypatch):
+    """With packing off (BATON_CPU_PACKED_LINEAR=0) the layers' linears are nn.Linear: F.linear then."""
+    monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
+    runners = {fast: _runner(CFG, torch.float32, fast) for fast in (True, False)}
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, CFG.vocab_size, (11,), generator=g).tolist()
+    seqs = {f: Sequence(0, "0", 0, list(prompt), SamplingParams()) for f in runners}
+    for s in seqs.values():
+        s.block_table = [0, 1, 2, 3]
+    for n in (11, 1, 1):
+        got = {fast: runner.execute([(seqs[fast], n)]).logits for fast, runner in runners.items()}
+        assert torch.equal(got[True], got[False])
+        for s in seqs.values():
+            s.num_computed_tokens += n
+            s.token_ids.append(int(got[True][0].argmax()))

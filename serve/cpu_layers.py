@@ -155,7 +155,12 @@ class CpuLayers:
 def bind(layers: list[nn.Module], attn: object, device: torch.device, dtype: torch.dtype) -> CpuLayers | None:
     """The runner's layers bound for `CpuLayers.run`, or None where this path does not apply (not
     CPU float32/bfloat16, no C++ kernels, another attention backend, BATON_CPU_LAYERS=0)."""
-    if os.environ.get(ENV, "1") == "0" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+    switch = os.environ.get(ENV, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(
+            f"{ENV}={switch!r}: '1' (the default) runs CPU steps through this path, '0' through the modules"
+        )
+    if switch == "0" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     if type(attn) is not PagedAttention or attn.kv_cache_dtype != "auto" or cpu_kernels() is None:
         return None

@@ -92,6 +92,9 @@ def test_a_hook_a_tree_or_a_quantized_cache_sends_the_step_through_the_modules()
 def test_batons_cpu_layers_switch_turns_the_path_off(monkeypatch):
     monkeypatch.setenv("BATON_CPU_LAYERS", "0")
     assert ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4).cpu_layers is None
+    monkeypatch.setenv("BATON_CPU_LAYERS", "off")  # a typo is refused before any work, naming the variable
+    with pytest.raises(ValueError, match="BATON_CPU_LAYERS='off'"):
+        ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4)
 
 
 def test_plain_linears_take_the_path_too(monkeypatch):

@@ -5,7 +5,7 @@ linears, rotary, the KV write, paged attention, SwiGLU, the residual adds), and 
 through nn.Module.__call__, a dispatcher that picks Triton, C++ or torch, and shape checks. At a
 decode step those wrappers cost more than several of the kernels they wrap: on the 25M serving
 model in bf16 at batch 64 the forward was 10.0 ms, of which 6.5 ms linears, ~1.2 ms C++ kernels and
-~2.3 ms the Python around them; this path made the decode step 1.10x (bf16) / 1.14x (fp32) faster
+~2.3 ms left over (by subtraction) for the Python around them; this path made the decode step 1.10x (bf16) / 1.14x (fp32) faster
 at batch 64 and 1.34x at batch 1 (docs/benchmarks.md, "A CPU step's layers without the modules' Python").
 
 `bind` looks at each layer once, when the runner is built, and keeps what its kernels need: the

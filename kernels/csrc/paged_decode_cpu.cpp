@@ -14,8 +14,7 @@
 // products are summed across lanes together (vsum_each), not one horizontal sum each; pass 2 is a
 // vectorized exp; pass 3 keeps a tile of query heads' accumulators in registers over one kv head's
 // V rows (the tile's heads from one row load). Any other head_dim, or a CPU with neither, runs the
-// portable loops below them. paged_decode_simd() names the path this build compiled. Each thread asks
-// for the next sequence's K/V pages before attending to the current one (prefetch_item).
+// portable loops below them. paged_decode_simd() names the path this build compiled.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -226,28 +225,6 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
     for (int64_t d = 0; d < dl; ++d) out[j * dl + d] = T(o[j * dl + d] * inv[j]);
 }
 
-// Asks the caches for sequence b's visible K and V pages (all kv heads: a page is one contiguous
-// run of block_size token rows) while the item before it computes. Pages sit wherever the block
-// manager put them, so the hardware prefetcher, which follows addresses within a page, cannot find
-// the next one; with the weights of a decode step streaming through the caches in between, K/V
-// come back from memory each layer, and waiting for them was most of the kernel's time.
-template <typename T>
-inline void prefetch_item(const Args<T>& a, int64_t b) {
-  const int64_t len = a.lens[b];
-  const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-  if (len <= start) return;
-  const int32_t* table = a.tables + b * a.table_row;
-  const int64_t row_bytes = a.tok_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t page = start / a.block_size; page * a.block_size < len; ++page) {
-    const int64_t first = std::max(start, page * a.block_size), end = std::min(len, (page + 1) * a.block_size);
-    const int64_t off = (first % a.block_size) * a.tok_stride, bytes = (end - first) * row_bytes;
-    for (const T* pool : {a.k, a.v}) {
-      const char* p = reinterpret_cast<const char*>(pool + table[page] * a.blk_stride + off);
-      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 2);  // into L2: L1 holds the current item
-    }
-  }
-}
-
 template <typename T, int D>
 void run(const Args<T>& a, int64_t dim, int64_t batch) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -270,14 +247,11 @@ void run(const Args<T>& a, int64_t dim, int64_t batch) {
   }
   at::parallel_for(0, parts, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> buf;
-    for (int64_t t = lo; t < hi; ++t) {
-      if (bounds[t] < bounds[t + 1]) prefetch_item(a, bounds[t] / split);
+    for (int64_t t = lo; t < hi; ++t)
       for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
         const int64_t b = i / split, h0 = (i % split) * per;
-        if (i % split == 0 && i + split < bounds[t + 1]) prefetch_item(a, b + 1);  // the next sequence's pages
         attend<T, D>(a, dim, b, h0, h0 + per, buf);
       }
-    }
   });
 }
 

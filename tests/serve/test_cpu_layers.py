@@ -3,12 +3,15 @@ forward, K/V pools included, through chunked prefill over cached prefixes, decod
 last layer's sampled rows; and the modules again wherever the path does not apply."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
+from baton.kernels import linear_cpu
 from baton.serve.cpu_layers import CpuLayers
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
@@ -97,18 +100,44 @@ def test_batons_cpu_layers_switch_turns_the_path_off(monkeypatch):
         ModelRunner(build_model(CFG, seed=0), num_blocks=16, block_size=4)
 
 
-def test_plain_linears_take_the_path_too(monkeypatch):
-    """With packing off (BATON_CPU_PACKED_LINEAR=0) the layers' linears are nn.Linear: F.linear then."""
-    monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
+@pytest.fixture
+def fp32_linear_choice(monkeypatch):
+    """Sets BATON_CPU_FP32_LINEAR for one test: the packed fp32 path is chosen once per process."""
+
+    def choose(path: str) -> None:
+        monkeypatch.setenv("BATON_CPU_FP32_LINEAR", path)
+        linear_cpu._fp32_path.cache_clear()
+
+    yield choose
+    linear_cpu._fp32_path.cache_clear()  # the next runner chooses again, from the restored variable
+
+
+@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn"])
+def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, fp32_linear_choice):
+    """Packing off (BATON_CPU_PACKED_LINEAR=0): nn.Linear, F.linear then; MKL's packed SGEMM (the
+    path Intel CPUs take, chosen here by BATON_CPU_FP32_LINEAR) and oneDNN's packed weight."""
+    if linears == "plain":
+        monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
+    else:
+        fp32_linear_choice(linears)
+        if linear_cpu._fp32_path() != linears:
+            pytest.skip(f"this torch has no {linears} packed fp32 path")
     runners = {fast: _runner(CFG, torch.float32, fast) for fast in (True, False)}
+    lin = runners[True].cpu_layers.bound[id(runners[True].layers[0])].qkv
+    kind = {"plain": F.linear, "mkl": linear_cpu.packed_linear}.get(linears)
+    assert (lin.func is kind) if kind else not isinstance(lin, functools.partial)  # oneDNN: the bare op
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, CFG.vocab_size, (11,), generator=g).tolist()
     seqs = {f: Sequence(0, "0", 0, list(prompt), SamplingParams()) for f in runners}
     for s in seqs.values():
         s.block_table = [0, 1, 2, 3]
+    dense = build_model(CFG, seed=0)  # unpacked, outside any runner: the independent reference
     for n in (11, 1, 1):
         got = {fast: runner.execute([(seqs[fast], n)]).logits for fast, runner in runners.items()}
         assert torch.equal(got[True], got[False])
+        with torch.no_grad():
+            want = dense(torch.tensor([seqs[True].token_ids[: seqs[True].num_computed_tokens + n]]))[0, -1]
+        torch.testing.assert_close(got[True][0], want, atol=1e-4, rtol=1e-4)
         for s in seqs.values():
             s.num_computed_tokens += n
             s.token_ids.append(int(got[True][0].argmax()))

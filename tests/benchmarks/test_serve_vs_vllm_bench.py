@@ -38,3 +38,25 @@ def test_smoke_matches_hf_and_reports(tmp_path):
     assert set(s["decode_tok_per_s"]) == {"1", "4"} and all(v > 0 for v in s["decode_tok_per_s"].values())
     assert "| tiny fp32 |" in r["table"] and "| tiny fp32 |" in out.stdout
     assert (tmp_path / "serve_vs_vllm.png").stat().st_size > 10_000
+
+
+def test_settle_idles_past_the_real_time_throttle_only_under_sched_fifo(monkeypatch, tmp_path):
+    """Under SCHED_FIFO a timed window starts after twice the kernel's throttle stall (period -
+    runtime) of idle, so that the stall falls outside it; otherwise, or when the kernel does not
+    throttle (runtime -1), nothing waits."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import serve_vs_vllm as bench
+
+    slept, policy = [], [bench.os.SCHED_OTHER]
+    monkeypatch.setattr(bench.time, "sleep", slept.append)
+    monkeypatch.setattr(bench.os, "sched_getscheduler", lambda pid: policy[0])
+    (tmp_path / "sched_rt_runtime_us").write_text("950000\n")
+    (tmp_path / "sched_rt_period_us").write_text("1000000\n")
+    bench.settle(tmp_path)
+    assert slept == []  # not real-time: the scheduler shares the cores, there is no throttle
+    policy[0] = bench.os.SCHED_FIFO
+    bench.settle(tmp_path)
+    assert slept == [pytest.approx(0.1)]
+    (tmp_path / "sched_rt_runtime_us").write_text("-1\n")
+    bench.settle(tmp_path)
+    assert slept == [pytest.approx(0.1)]

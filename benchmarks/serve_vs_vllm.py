@@ -81,9 +81,9 @@ def settle(kernel: Path = Path("/proc/sys/kernel")) -> None:
     real-time tasks run sched_rt_runtime_us (0.95 s) of each sched_rt_period_us (1 s) and stalls them
     for the rest: a 50 ms stall that lands inside a window or not by chance, ~10% of a 0.5 s decode
     window (25M bf16 at batch 64: best step 11.5 ms without this, 10.2-10.5 with it, medians 13.0
-    against 11.1-11.4). Idle for twice the stall first and a window shorter than the budget less
-    that stays out of it; longer windows (a 110M workload run) pay the ~5% either way. Both sides
-    run this same code."""
+    against 11.1-11.4). After idling for twice the stall, a window shorter than the budget minus
+    that idle (~0.85 s) stays clear of it; longer ones (a 110M workload run) pay the ~5% either way.
+    Both sides run this same code."""
     if os.sched_getscheduler(0) != os.SCHED_FIFO:
         return
     try:

@@ -83,6 +83,9 @@ void rotate(const T* x, int64_t st, int64_t sh, const T* cos, const T* sin, int6
 
 // silu(g) * u = g / (1 + exp(-g)) * u in float32, rounded once (as the reference computes it); the
 // exponent is clamped so that -ffast-math's no-infinities assumption holds (silu(g < -88) ~ -0).
+// With a vector path (simd_cpu.h) whole vectors take the sigmoid from e = exp(-|g|), which vexp's
+// polynomial computes for arguments <= 0 only: 1 / (1 + e) where g >= 0, e / (1 + e) below; the
+// library's expf, which the compiler vectorized before, ran bf16 rows at ~0.45 ns an element.
 template <typename T>
 void swiglu_rows(const T* g, int64_t sg, const T* u, int64_t su, T* out, int64_t rows, int64_t n) {
   at::parallel_for(0, rows, grain(n), [&](int64_t lo, int64_t hi) {
@@ -90,7 +93,17 @@ void swiglu_rows(const T* g, int64_t sg, const T* u, int64_t su, T* out, int64_t
       const T* gi = g + i * sg;
       const T* ui = u + i * su;
       T* oi = out + i * n;
-      for (int64_t d = 0; d < n; ++d) {
+      int64_t d = 0;
+#if defined(BATON_SIMD)
+      using namespace baton_simd;
+      if constexpr (std::is_same_v<T, float> || kStoresBf16) {
+        for (; d + kW <= n; d += kW) {
+          const vec x = vload(gi + d), e = vexp(vmin(x, vsub(vzero(), x)));
+          vstore(oi + d, vdiv(vmul(vmul(x, vload(ui + d)), vpick_nonneg(x, vset1(1.f), e)), vadd(vset1(1.f), e)));
+        }
+      }
+#endif
+      for (; d < n; ++d) {
         const float x = widen(gi[d]);
         oi[d] = narrow<T>(x / (1.f + std::exp(std::min(-x, 88.f))) * widen(ui[d]));
       }

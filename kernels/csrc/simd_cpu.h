@@ -52,12 +52,27 @@ inline vec vload(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+constexpr bool kStoresBf16 = true;  // vstore rounds to bfloat16 (the AVX2 path has no such store)
+inline void vstore(c10::BFloat16* p, vec v) {  // narrow()'s rounding, lane by lane: nearest even, NaN kept
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)), _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
 inline vec vset1(float x) { return _mm512_set1_ps(x); }
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vpick_nonneg(vec x, vec a, vec b) {  // a where x >= 0, else b
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ), b, a);
+}
 inline vec vfmadd(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }   // a * b + c
 inline vec vfnmadd(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline vec vround(vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -98,12 +113,18 @@ inline vec vload(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
+constexpr bool kStoresBf16 = false;
 inline vec vset1(float x) { return _mm256_set1_ps(x); }
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm256_sub_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
 inline vec vmax(vec a, vec b) { return _mm256_max_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm256_div_ps(a, b); }
+inline vec vpick_nonneg(vec x, vec a, vec b) {  // a where x >= 0, else b
+  return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+}
 inline vec vfmadd(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vfnmadd(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
 inline vec vround(vec x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }

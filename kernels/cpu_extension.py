@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 NAME = "baton_cpu_kernels"
 SOURCES = [
     Path(__file__).resolve().parent / "csrc" / f
-    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp")
+    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp")
 ]
 HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd_cpu.h"]  # in the build folder's source hash
 # -march=native: built for this CPU (the build folder is named after its flags, below);

@@ -255,6 +255,13 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     return y.view(*x.shape[:-1], n)
 
 
+def sgemm_compute_address() -> int:
+    """The address of MKL's cblas_sgemm_compute (for C++ callers of a packed weight, as the CPU
+    decoder stack is); 0 where this torch has none."""
+    mkl = _sgemm()
+    return 0 if mkl is None else ctypes.cast(mkl.compute, ctypes.c_void_p).value or 0
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The specification: the inputs multiplied in float64 (bf16: float32), rounded to x's dtype once."""
     wide = torch.float64 if x.dtype == torch.float32 else torch.float32

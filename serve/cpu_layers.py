@@ -8,78 +8,60 @@ model in bf16 at batch 64 the forward was 10.0 ms, of which 6.5 ms linears, ~1.2
 ~2.3 ms left over (by subtraction) for the Python around them; this path made the decode step 1.10x (bf16) / 1.14x (fp32) faster
 at batch 64 and 1.34x at batch 1 (docs/benchmarks.md, "A CPU step's layers without the modules' Python").
 
-`bind` looks at each layer once, when the runner is built, and keeps what its kernels need: the
-oneDNN-packed weights (called as the bare `mkldnn::_linear_pointwise` op) or MKL's, the norm weights
-and the KV pools. `run` then calls the C++ kernels and the linears directly, and carries the
-residual between layers so that the next layer's input norm does the add in its one pass (vLLM's
-residual passing). The kernels, their order and every rounding are the modules' own, so the output
-is bit for bit the modules' forward (tests/serve/test_cpu_layers.py); anything else, a step with a
-speculative tree, a quantized KV cache, a layer with hooks (tensor parallelism's all-reduce, a
-test's probe) or of another kind (MoE, Mamba), goes through the modules as before.
-BATON_CPU_LAYERS=0 turns this off (to measure one against the other).
+`bind` looks at each layer once, when the runner is built, and hands what its kernels need to the
+C++ stack (kernels/csrc/decoder_cpu.cpp): the oneDNN-packed weights (called as the bare
+`mkldnn::_linear_pointwise` op) or MKL's, the norm weights and the KV pools. `run` is then one C++
+call for all the layers of a step, which carries the residual between layers so that the next
+layer's input norm does the add in its one pass (vLLM's residual passing). The kernels, their order
+and every rounding are the modules' own, so the output is bit for bit the modules' forward
+(tests/serve/test_cpu_layers.py); anything else, a step with a speculative tree, a quantized KV
+cache, a layer with hooks (tensor parallelism's all-reduce, a test's probe) or of another kind
+(MoE, Mamba), goes through the modules as before.
+One C++ call instead of the Python loop over the same kernels (in-process A/B, the two alternating,
+25M bf16): batch-64 decode step 11.78 -> 11.44 ms (median), batch 1 2.65 -> 2.27 ms; 110M bf16 at
+batch 64 39.5 -> 38.9 ms. BATON_CPU_LAYERS=0 turns this off (to measure one against the other).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from baton.common.model import DecoderLayer, RMSNorm
 from baton.common.rope import rotary_cos_sin
 from baton.kernels.cpu_extension import cpu_kernels
-from baton.kernels.linear_cpu import PackedLinear, packed_linear
+from baton.kernels.linear_cpu import PackedLinear, sgemm_compute_address
 from baton.serve.attention import AttentionMetadata, PagedAttention
 from baton.serve.fusion import FusedMLP, FusedQKVAttention
 
 ENV = "BATON_CPU_LAYERS"
-Linear = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _linear(mod: nn.Module) -> Linear | None:
-    """x [rows, in] -> [rows, out] with the fewest calls: the bare oneDNN op over a packed weight,
-    MKL's packed SGEMM, or F.linear; None for any other kind of layer (quantized, sharded ...)."""
+def _linear(mod: nn.Module, ck) -> object | None:
+    """The C++ stack's handle on a linear layer: the bare oneDNN op over a packed weight, MKL's packed
+    SGEMM, or F.linear's op; None for any other kind of layer (quantized, sharded ...)."""
     if type(mod) is PackedLinear:
-        p, bias = mod.packed, mod.bias
-        if p.data.is_mkldnn:
-            op = torch.ops.mkldnn._linear_pointwise.default
-            return lambda x: op(x, p.data, bias, "none", [], "")
-        return functools.partial(packed_linear, packed=p, bias=bias)
+        p = mod.packed
+        kind, address = ("onednn", 0) if p.data.is_mkldnn else ("mkl", sgemm_compute_address())
+        return ck.CpuLinear(kind, p.data, mod.bias, p.out_features, p.in_features, address)
     if type(mod) is nn.Linear:
-        return functools.partial(F.linear, weight=mod.weight, bias=mod.bias)
+        return ck.CpuLinear("plain", mod.weight, mod.bias, mod.out_features, mod.in_features)
     return None
 
 
 @dataclass
 class BoundLayer:
-    """One decoder layer's kernels' arguments, taken once."""
+    """One decoder layer as the C++ stack holds it."""
 
     layer: DecoderLayer
     modules: list[nn.Module]  # the layer and its submodules: a hook on any sends the step to the modules
-    norm_in: torch.Tensor
-    norm_post: torch.Tensor
-    eps_in: float
-    eps_post: float
-    qkv: Linear
-    o: Linear
-    gate_up: Linear
-    down: Linear
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    scale: float
-    window: int | None
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
+    id: int  # in the stack
 
 
-def _bind_layer(layer: nn.Module, kv_caches) -> BoundLayer | None:
+def _bind_layer(layer: nn.Module, kv_caches, stack, ck) -> BoundLayer | None:
     if type(layer) is not DecoderLayer or not layer.fuse_residual_norm:
         return None
     a, m = layer.self_attn, getattr(layer, "mlp", None)
@@ -88,21 +70,22 @@ def _bind_layer(layer: nn.Module, kv_caches) -> BoundLayer | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if any(type(n) is not RMSNorm for n in norms):
         return None
-    lins = [_linear(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+    lins = [_linear(x, ck) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
     pools = kv_caches[a.layer_idx]
     if any(f is None for f in lins) or pools is None:
         return None
-    return BoundLayer(
-        layer, list(layer.modules()), norms[0].weight, norms[1].weight, norms[0].eps, norms[1].eps, *lins,
-        a.num_heads, a.num_kv_heads, a.head_dim, m.down_proj.in_features, a.scaling, a.sliding_window, *pools,
+    i = stack.add(
+        norms[0].weight, norms[0].eps, norms[1].weight, norms[1].eps, *lins, a.num_heads, a.num_kv_heads,
+        a.head_dim, m.down_proj.in_features, a.scaling, a.sliding_window or 0, *pools,
     )  # fmt: skip
+    return BoundLayer(layer, list(layer.modules()), i)
 
 
 class CpuLayers:
     """The bound layers of a CPU runner (`bind`), run for a step by `run`."""
 
-    def __init__(self, bound: dict[int, BoundLayer], attn: PagedAttention):
-        self.bound, self.attn, self.kernels = bound, attn, cpu_kernels()
+    def __init__(self, bound: dict[int, BoundLayer], stack, attn: PagedAttention):
+        self.bound, self.stack, self.attn = bound, stack, attn
 
     def takes(self, layers: list[nn.Module], md: AttentionMetadata) -> bool:
         """Whether this step's `layers` can run here: all bound, no tree to verify, no hooks."""
@@ -122,34 +105,20 @@ class CpuLayers:
     ) -> torch.Tensor:  # fmt: skip
         """x [1, T, hidden] through `layers` (all taken, see `takes`), as run_layers would; the
         backend's query_rows layer, if among them, runs through its module (the rows it answers)."""
-        ck, t = self.kernels, x.shape[1]
+        t = x.shape[1]
         cos, sin = (c.view(t, -1) for c in rotary_cos_sin(inv_freq, positions, x.dtype))
         # Every row is one query over its sequence's cache up to itself (see AttentionMetadata.rows_over_cache).
         tables, lens = md.rows_over_cache if md.num_prefills else (md.decode_block_tables, md.decode_context_lens)
-        lens = lens.contiguous()
+        step = (cos, sin, tables, lens.contiguous(), md.slot_mapping, md.window_in_cache)
         trim = self.attn.query_rows_layer if self.attn.query_rows is not None else None
-        h, res, out = x[0], None, None  # res: the residual stream; out: the last layer's output, not yet added
+        h, ids = x[0], []
         for layer in layers:
-            b = self.bound[id(layer)]
-            if b.layer.self_attn.layer_idx == trim:  # the rows it answers: through the module
-                x = (res + out).unsqueeze(0) if res is not None else x
-                h, res, out = layer(x, cos.unsqueeze(0), sin.unsqueeze(0), self.attn)[0], None, None
-                continue
-            if res is None:
-                res, (y, _) = h, ck.rms_norm(h, b.norm_in, b.eps_in, None)
+            if layer.self_attn.layer_idx == trim:  # the rows it answers: through the module
+                h = self.stack.run(h, ids, *step) if ids else h
+                h, ids = layer(h.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0), self.attn)[0], []
             else:
-                y, res = ck.rms_norm(out, b.norm_in, b.eps_in, res)  # res + out, the previous layer's sum
-            d, hq, hk = b.head_dim, b.heads * b.head_dim, b.kv_heads * b.head_dim
-            qkv = b.qkv(y)
-            q, k = ck.rotary(qkv[:, :hq].view(t, b.heads, d), qkv[:, hq : hq + hk].view(t, b.kv_heads, d), cos, sin)
-            v = qkv[:, hq + hk :].view(t, b.kv_heads, d)
-            ck.cache_write(k, v, b.k_cache, b.v_cache, md.slot_mapping)
-            window = b.window if md.window_in_cache else None
-            a = ck.paged_decode(q, b.k_cache, b.v_cache, tables, lens, b.scale, window or 0, None)
-            y, res = ck.rms_norm(b.o(a.view(t, hq)), b.norm_post, b.eps_post, res)
-            gu = b.gate_up(y)
-            out = b.down(ck.swiglu(gu[:, : b.intermediate], gu[:, b.intermediate :]))
-        return (res + out if res is not None else h).unsqueeze(0)
+                ids.append(self.bound[id(layer)].id)
+        return (self.stack.run(h, ids, *step) if ids else h).unsqueeze(0)
 
 
 def bind(layers: list[nn.Module], attn: object, device: torch.device, dtype: torch.dtype) -> CpuLayers | None:
@@ -164,5 +133,7 @@ def bind(layers: list[nn.Module], attn: object, device: torch.device, dtype: tor
         return None
     if type(attn) is not PagedAttention or attn.kv_cache_dtype != "auto" or cpu_kernels() is None:
         return None
-    bound = {id(x): b for x in layers if (b := _bind_layer(x, attn.kv_caches)) is not None}
-    return CpuLayers(bound, attn) if bound else None
+    ck = cpu_kernels()
+    stack = ck.CpuDecoderLayers()
+    bound = {id(x): b for x in layers if (b := _bind_layer(x, attn.kv_caches, stack, ck)) is not None}
+    return CpuLayers(bound, stack, attn) if bound else None

@@ -17,6 +17,7 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
                                                 torch::Tensor sin);
 torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
 std::tuple<torch::Tensor, torch::Tensor> first_max(torch::Tensor x);
+void bind_decoder(py::module_& m);  // decoder_cpu.cpp: CpuLinear, CpuDecoderLayers
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
@@ -34,4 +35,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate"), py::arg("up"));
   m.def("first_max", &first_max, "(max, index of its first occurrence) of each row; NaN where a row is not all finite",
         py::arg("x"));
+  bind_decoder(m);
 }

@@ -153,13 +153,13 @@ class CpuDecoderLayers {
 };
 
 void bind_decoder(py::module_& m) {
-  py::class_<CpuLinear>(m, "CpuLinear", "one packed (or plain) linear layer, as the decoder stack calls it")
+  py::class_<CpuLinear>(m, "CpuLinear", py::module_local(), "one packed (or plain) linear layer, as the decoder stack calls it")
       .def(py::init<std::string, torch::Tensor, std::optional<torch::Tensor>, int64_t, int64_t, int64_t>(),
            py::arg("kind"), py::arg("weight"), py::arg("bias"), py::arg("out_features"), py::arg("in_features"),
            py::arg("sgemm_address") = 0)
       .def_readonly("kind", &CpuLinear::kind)
       .def("__call__", &CpuLinear::operator(), py::arg("x"));
-  py::class_<CpuDecoderLayers>(m, "CpuDecoderLayers", "a runner's decoder layers, bound once, run each step")
+  py::class_<CpuDecoderLayers>(m, "CpuDecoderLayers", py::module_local(), "a runner's decoder layers, bound once, run each step")
       .def(py::init<>())
       .def("add", &CpuDecoderLayers::add, "bind one layer; returns its id", py::arg("norm_in"), py::arg("eps_in"),
            py::arg("norm_post"), py::arg("eps_post"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

@@ -97,11 +97,12 @@ def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
 
 
 @pytest.mark.parametrize("window", [None, 50])
-@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((8, 1), 128), ((6, 3), 48)])
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((8, 1), 128), ((4, 2), 32), ((6, 3), 48)])
 def test_decode_cpu_kernel_bfloat16(heads, head_dim, window):
-    """bfloat16 pools and queries (the vector path's 16-bit widening for 64 and 128, the portable
-    loops for 48): the C++ kernel computes in float32 and rounds once, so it is within one bfloat16
-    rounding of the float32 reference on the same (bfloat16) values."""
+    """bfloat16 pools and queries (the vector path for 32, 64 and 128: its scores through vdpbf16ps
+    where the CPU has AVX-512 BF16, else widened; the portable loops for 48): the C++ kernel computes
+    in float32 and rounds once, so it is within one bfloat16 rounding of the float32 reference on
+    the same (bfloat16) values."""
     q, k_cache, v_cache, tables, ctx = _decode_case(torch.bfloat16, LENS + [600, 3], heads, head_dim, 16)
     want = ref.paged_attention_decode_ref(
         q.float(), k_cache.float(), v_cache.float(), tables, ctx, sliding_window=window, softmax_scale=0.2

@@ -8,16 +8,22 @@ ops each, whose dispatch dominates at decode shapes; they are used only once som
 serves (the model runner) has loaded the kernels - `loaded_cpu_kernels` - so training and tests
 never build them as a side effect. Without a C++ compiler
 the build fails once, a warning says so, and the torch path is used; BATON_CPU_KERNELS=0 skips it.
+
+One process builds or loads a build folder at a time, under an flock (`builder_lock`) that the
+kernel drops when its holder dies: torch's own `lock` file, which its builder waits on forever and
+a killed build leaves behind, is then always a dead builder's, and is removed at once (it used to
+take a 10-minute staleness rule, during which a server that started after a killed one waited).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
@@ -34,7 +40,6 @@ HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd_cpu.h"]  # in the bu
 # -march=native: built for this CPU (the build folder is named after its flags, below);
 # -fopenmp: at::parallel_for splits the work between torch's threads only when OpenMP is on.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-STALE_LOCK_S = 600  # a build takes ~20 s; a lock this old was left by a process killed mid-build
 
 
 def build_directory() -> Path:
@@ -51,7 +56,8 @@ def build_directory() -> Path:
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     src = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:8]
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cpu{cpu}-src{src}"
+    py, version = f"{sys.version_info.major}{sys.version_info.minor}", torch.__version__.split("+")[0]
+    tag = f"py{py}-torch{version}-cpu{cpu}-src{src}-flock"  # -flock: built under builder_lock only
     return root / f"{NAME}-{tag}"
 
 
@@ -64,21 +70,40 @@ def cpu_kernels() -> ModuleType | None:
 
     folder = build_directory()
     folder.mkdir(parents=True, exist_ok=True)
-    lock = folder / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-        log.warning("removing a stale build lock left by an interrupted build: %s", lock)
-        lock.unlink(missing_ok=True)
-    log.info("loading Baton's C++ CPU kernels from %s (the first time on a machine builds them: ~20 s)", folder)
+    log.info("loading Baton's C++ CPU kernels from %s (the first time on a machine builds them: ~1 min)", folder)
     try:
-        return load(
-            NAME, [str(s) for s in SOURCES], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder)
-        )
+        with builder_lock(folder):
+            return load(
+                NAME,
+                [str(s) for s in SOURCES],
+                extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+            )
     except Exception as e:  # no compiler, no ninja, a failed build: fall back, say so once
         last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
         log.warning(
             "could not build Baton's C++ CPU kernels (%s: %s); using the slower torch paths", type(e).__name__, last
         )
         return None
+
+
+@contextlib.contextmanager
+def builder_lock(folder: Path):
+    """Held while this process builds or loads `folder`: an flock, which the kernel releases when
+    the holder exits, killed or not. Whoever holds it removes torch's `lock` file if one is there:
+    only a builder that died could have left it (the next load rebuilds what it did not finish)."""
+    with open(folder / "builder.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("another process is building Baton's C++ CPU kernels in %s: waiting for it", folder)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        lock = folder / "lock"
+        if lock.exists():
+            log.warning("removing the build lock of a build that did not finish (its process is gone): %s", lock)
+            lock.unlink(missing_ok=True)
+        yield
 
 
 def loaded_cpu_kernels(*tensors: torch.Tensor) -> ModuleType | None:

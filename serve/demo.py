@@ -81,7 +81,7 @@ class ServerProcess:
 
 def wait_until_serving(client, server: ServerProcess, timeout_s: float = 600.0) -> None:
     """Until health says SERVING. The server listens before it loads the model, and on a machine's
-    first start it also builds the C++ CPU kernels (~20 s idle, minutes on a busy 2-core machine),
+    first start it also builds the C++ CPU kernels (~1 min idle, minutes more on a busy 2-core machine),
     so the limit is generous; a server that exits meanwhile is reported at once, with its log."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,6 +1,6 @@
-"""The C++ CPU kernels' build: a lock left by a killed build is cleared, and a machine without a
-working compiler falls back to the torch path with one warning (in a subprocess: the build is
-cached per process, and here it must fail)."""
+"""The C++ CPU kernels' build: a lock left by a killed build is cleared at once while a live
+builder is waited for, and a machine without a working compiler falls back to the torch path with
+one warning (in a subprocess: the build is cached per process, and here it must fail)."""
 
 import os
 import subprocess
@@ -11,17 +11,15 @@ import pytest
 import torch
 
 
-def test_stale_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_path):
+def test_a_dead_builders_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_path):
     code = textwrap.dedent("""
         import logging, torch
-        logging.basicConfig(level=logging.WARNING)
+        logging.basicConfig(level=logging.INFO)
         from baton.kernels import paged_attention as pa, reference as ref
-        import os, time
         from baton.kernels.cpu_extension import build_directory, cpu_kernels
         folder = build_directory()
         folder.mkdir(parents=True)
-        (folder / "lock").touch()  # left by a build killed an hour ago: torch would wait on it forever
-        os.utime(folder / "lock", (time.time() - 3600, time.time() - 3600))
+        (folder / "lock").touch()  # left a moment ago by a build that was killed: torch would wait on it forever
         assert cpu_kernels() is None
         q, k, v = torch.randn(2, 4, 32), torch.randn(6, 16, 2, 32), torch.randn(6, 16, 2, 32)
         tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 7], dtype=torch.int32)
@@ -36,7 +34,37 @@ def test_stale_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_p
     assert "fell back" in run.stdout
     assert "could not build Baton's C++ CPU kernels" in run.stderr
     assert "using the slower torch paths" in run.stderr
-    assert "removing a stale build lock" in run.stderr
+    assert "removing the build lock of a build that did not finish" in run.stderr
+    assert "waiting for it" not in run.stderr
+
+
+def test_a_live_builder_is_waited_for_and_its_lock_kept(tmp_path):
+    """While another process holds the builder lock (it is building), its torch lock file is left
+    alone and the second process waits; it goes on once the builder is done."""
+    import fcntl
+    import time
+
+    env = {**os.environ, "CXX": "/bin/false", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    where = "from baton.kernels.cpu_extension import build_directory; print(build_directory())"
+    folder = subprocess.run([sys.executable, "-c", where], env=env, capture_output=True, text=True, check=True)
+    folder = folder.stdout.strip()
+    os.makedirs(folder)
+    lock, log = os.path.join(folder, "lock"), tmp_path / "waiter.log"
+    code = "import logging; logging.basicConfig(level=logging.INFO)\n"
+    code += "from baton.kernels.cpu_extension import cpu_kernels; print(cpu_kernels())"
+    with open(os.path.join(folder, "builder.flock"), "a") as held, open(log, "w") as err:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a live builder ...
+        open(lock, "w").close()  # ... and its torch lock
+        waiter = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        deadline = time.monotonic() + 120
+        while "waiting for it" not in log.read_text() and time.monotonic() < deadline and waiter.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1)
+        assert waiter.poll() is None and os.path.exists(lock), log.read_text()  # waiting, the lock kept
+        os.remove(lock)  # the builder finishes
+    out, _ = waiter.communicate(timeout=300)  # (the flock is released as the file closes)
+    assert waiter.returncode == 0, log.read_text()
+    assert out.strip() == "None" and "could not build" in log.read_text()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -110,31 +110,39 @@ def fp32_linear_choice(monkeypatch):
     linear_cpu._fp32_path.cache_clear()  # the next runner chooses again, from the restored variable
 
 
-@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn"])
+@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn", "mkl-bf16"])
 def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, fp32_linear_choice):
     """Packing off (BATON_CPU_PACKED_LINEAR=0): nn.Linear, F.linear then; MKL's packed SGEMM (the
-    path Intel CPUs take, chosen here by BATON_CPU_FP32_LINEAR) and oneDNN's packed weight."""
+    path Intel CPUs take, chosen here by BATON_CPU_FP32_LINEAR) and oneDNN's packed weight; bf16
+    widened into MKL's fp32 pack (the path of a CPU without oneDNN bf16, forced here)."""
+    dtype, kind = torch.float32, linears
     if linears == "plain":
         monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
+    elif linears == "mkl-bf16":
+        if not linear_cpu.prepacked_available(torch.bfloat16) or linear_cpu._sgemm() is None:
+            pytest.skip("this torch has no MKL packed SGEMM")
+        monkeypatch.setattr(linear_cpu, "_bf16_path", lambda: "mkl-fp32")
+        dtype, kind = torch.bfloat16, "mkl"
     else:
         fp32_linear_choice(linears)
         if linear_cpu._fp32_path() != linears:
             pytest.skip(f"this torch has no {linears} packed fp32 path")
-    runners = {fast: _runner(CFG, torch.float32, fast) for fast in (True, False)}
+    runners = {fast: _runner(CFG, dtype, fast) for fast in (True, False)}
     layers = runners[True].cpu_layers
-    assert layers.stack.linear(layers.bound[id(runners[True].layers[0])].id, "qkv").kind == linears
+    assert layers.stack.linear(layers.bound[id(runners[True].layers[0])].id, "qkv").kind == kind
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, CFG.vocab_size, (11,), generator=g).tolist()
     seqs = {f: Sequence(0, "0", 0, list(prompt), SamplingParams()) for f in runners}
     for s in seqs.values():
         s.block_table = [0, 1, 2, 3]
-    dense = build_model(CFG, seed=0)  # unpacked, outside any runner: the independent reference
+    dense = build_model(CFG, seed=0, dtype=dtype).float()  # unpacked, fp32, outside any runner: the reference
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: its activations rounded at every op
     for n in (11, 1, 1):
         got = {fast: runner.execute([(seqs[fast], n)]).logits for fast, runner in runners.items()}
         assert torch.equal(got[True], got[False])
         with torch.no_grad():
             want = dense(torch.tensor([seqs[True].token_ids[: seqs[True].num_computed_tokens + n]]))[0, -1]
-        torch.testing.assert_close(got[True][0], want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[True][0].float(), want, atol=tol, rtol=tol)
         for s in seqs.values():
             s.num_computed_tokens += n
             s.token_ids.append(int(got[True][0].argmax()))

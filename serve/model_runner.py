@@ -35,6 +35,7 @@ from baton.kernels.reference import rotate_half
 from baton.serve.attention import PagedAttention
 from baton.serve.block_manager import BlockOps
 from baton.serve.cpu_layers import bind as bind_cpu_layers
+from baton.serve.cpu_layers import bind_head as bind_cpu_head
 from baton.serve.fusion import fuse_projections
 from baton.serve.input_batch import InputBatch
 from baton.serve.quantization.kv_cache import pool_layout
@@ -170,6 +171,10 @@ class ModelRunner:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
         # On CPU a step's layers run without the modules' Python between kernels where they can (cpu_layers.py).
         self.cpu_layers = bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
+        head = getattr(self.model, "lm_head", None)
+        self.cpu_head = (
+            None if head is None else bind_cpu_head(self.model.model.final_norm, head, self.device, self.dtype)
+        )
         self.inputs = InputBatch(self.device)  # the step tensors, block-table rows kept between steps
         # Rows of the next step that skip the layers below entry_layer (set by a LayerSkip proposer).
         self.late_entries: dict[int, LateEntry] = {}
@@ -318,8 +323,12 @@ class ModelRunner:
             picked = x[0, r[0] : r[-1] + 1]
         else:
             picked = x[0][torch.tensor(r, dtype=torch.long, device=self.device)]
-        picked = self.model.model.final_norm(picked)
-        return self.model.compute_logits(picked), picked if plan.return_hidden else None
+        if self.cpu_head is not None and self.cpu_head.takes():
+            logits, picked = self.cpu_head(picked)
+        else:
+            picked = self.model.model.final_norm(picked)
+            logits = self.model.compute_logits(picked)
+        return logits, picked if plan.return_hidden else None
 
     def execute(
         self,

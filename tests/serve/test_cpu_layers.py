@@ -10,7 +10,8 @@ import torch
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels import linear_cpu
-from baton.serve.cpu_layers import CpuLayers
+from baton.common.rope import rotary_cos_sin
+from baton.serve.cpu_layers import CpuHead, CpuLayers
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
@@ -34,8 +35,9 @@ VARIANTS = {
 def _runner(cfg: ModelConfig, dtype: torch.dtype, fast: bool) -> ModelRunner:
     runner = ModelRunner(build_model(cfg, seed=0, dtype=dtype), num_blocks=16, block_size=4)
     assert isinstance(runner.cpu_layers, CpuLayers) and len(runner.cpu_layers.bound) == cfg.num_hidden_layers
+    assert isinstance(runner.cpu_head, CpuHead)
     if not fast:
-        runner.cpu_layers = None
+        runner.cpu_layers = runner.cpu_head = None
     return runner
 
 
@@ -146,3 +148,18 @@ def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, fp32_line
         for s in seqs.values():
             s.num_computed_tokens += n
             s.token_ids.append(int(got[True][0].argmax()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cos_sin_tables_equal_rotary_cos_sin_as_they_grow(dtype):
+    """The step's cos/sin come from tables over every position up to the largest seen: the same
+    values as rotary_cos_sin's per-step computation, before and after the tables grow."""
+    layers = _runner(CFG, dtype, True).cpu_layers
+    inv_freq = build_model(CFG, seed=0).model.inv_freq
+    g = torch.Generator().manual_seed(2)
+    for top in (40, 300, 5000, 100):  # the tables start at 256 positions and grow twice
+        positions = torch.randint(0, top, (37,), generator=g)
+        got = layers.cos_sin(inv_freq, positions, dtype)
+        want = rotary_cos_sin(inv_freq, positions, dtype)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[0].dtype == dtype
+    assert layers._tables[1].shape[0] > 2 * 256  # it grew

@@ -36,7 +36,8 @@ SOURCES = [
     Path(__file__).resolve().parent / "csrc" / f
     for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp")
 ]
-HEADERS = [Path(__file__).resolve().parent / "csrc" / "simd_cpu.h"]  # in the build folder's source hash
+# included by the sources, so in the build folder's source hash too
+HEADERS = [Path(__file__).resolve().parent / "csrc" / h for h in ("simd_cpu.h", "cpu_kernels.h")]
 # -march=native: built for this CPU (the build folder is named after its flags, below);
 # -fopenmp: at::parallel_for splits the work between torch's threads only when OpenMP is on.
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

@@ -1,23 +1,5 @@
 // The Python module of Baton's C++ CPU kernels (kernels/cpu_extension.py builds it from every file here).
-#include <torch/extension.h>
-
-#include <optional>
-#include <string>
-#include <tuple>
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t window,
-                           std::optional<torch::Tensor> tail_mask);
-std::string paged_decode_simd();
-void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                 torch::Tensor slot_mapping);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  std::optional<torch::Tensor> residual);
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                                                torch::Tensor sin);
-torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
-std::tuple<torch::Tensor, torch::Tensor> first_max(torch::Tensor x);
-void bind_decoder(py::module_& m);  // decoder_cpu.cpp: CpuLinear, CpuDecoderLayers
+#include "cpu_kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),

@@ -13,6 +13,8 @@
 // bare mkldnn::_linear_pointwise op, through the dispatcher), MKL's packed SGEMM (cblas_sgemm_compute,
 // whose address libtorch_cpu exports; x widened to float32 and the result rounded back, as
 // packed_linear does) or a plain weight (at::linear, F.linear's op).
+#include "cpu_kernels.h"
+
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -22,17 +24,6 @@
 #include <string>
 #include <tuple>
 #include <vector>
-
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                           torch::Tensor context_lens, double scale, int64_t window,
-                           std::optional<torch::Tensor> tail_mask);
-void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
-                 torch::Tensor slot_mapping);
-std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                                                  std::optional<torch::Tensor> residual);
-std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-                                                torch::Tensor sin);
-torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
 
 namespace {
 

@@ -171,7 +171,9 @@ class ModelRunner:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
         # On CPU a step's layers run without the modules' Python between kernels where they can (cpu_layers.py).
         self.cpu_layers = bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
-        head = getattr(self.model, "lm_head", None)
+        # (only where the logits are lm_head(hidden): a compute_logits of its own would be bypassed)
+        plain_logits = getattr(type(self.model), "compute_logits", None) is CausalLM.compute_logits
+        head = getattr(self.model, "lm_head", None) if plain_logits else None
         self.cpu_head = (
             None if head is None else bind_cpu_head(self.model.model.final_norm, head, self.device, self.dtype)
         )

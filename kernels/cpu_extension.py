@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 NAME = "baton_cpu_kernels"
 SOURCES = [
     Path(__file__).resolve().parent / "csrc" / f
-    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp")
+    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp", "gemm_cpu.cpp")
 ]
 # included by the sources, so in the build folder's source hash too
 HEADERS = [Path(__file__).resolve().parent / "csrc" / h for h in ("simd_cpu.h", "cpu_kernels.h")]

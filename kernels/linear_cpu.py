@@ -43,8 +43,19 @@ products of bf16 values are exact in fp32 and the sums are fp32, so this is `lin
 bf16 specification up to summation order. The cost: the packed weight takes 2x the bf16 weight's
 memory (logged once), and every call reads 4 bytes per weight instead of 2.
 
+Baton's own GEMM (csrc/gemm_cpu.cpp), once a server has loaded the C++ kernels: on AMD Zen 4 (2
+cores, the 110M serving model's linears cycling through 8 layers, docs/benchmarks.md) it streams the
+weights at ~50 GB/s where oneDNN's small-M kernels reach ~22, and keeps the FMAs busier at M = 16-64:
+bf16 2.0x oneDNN at M = 1, 1.5x at 4-8, 1.06-1.2x at 16-64, even at 256-2048; fp32 1.4-1.7x at
+M = 1, 1.1-1.3x at 8-24, 1.0-1.1x above. So it is the default where measured: fp32 on AVX-512 CPUs
+that are not Intel's, bf16 on AVX-512 BF16 CPUs without AMX (oneDNN's AMX tiles are the faster
+prefill there). BATON_CPU_FP32_LINEAR=baton|mkl|onednn and BATON_CPU_BF16_LINEAR=baton|onednn
+override the choice. Its sums run over k in order for every row, so a row's output does not depend
+on the batch it came in (oneDNN's and MKL's blocking does not promise that).
+
 Falls back to `F.linear` (`prepacked_available(dtype)` false) where torch has no MKL (and, for bf16,
-no oneDNN bf16), or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA tensors never take this path.
+no oneDNN bf16) and Baton's GEMM is not there, or with BATON_CPU_PACKED_LINEAR=0. CPU only: CUDA
+tensors never take this path.
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .cpu_extension import cpu_kernels
 
 PACK_ROWS = 2048  # bf16: a prefill chunk (the serving benchmarks run 2,048 batched tokens per step)
 FP32_PACK_ROWS = 64  # fp32: MKL's blocking for decode batches (module docstring); oneDNN's within 3% of 2048's
@@ -109,12 +122,17 @@ def _mkldnn_bf16() -> bool:
     return _mkldnn_linear() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def _cpu_vendor() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("vendor_id", "flags"), or ""."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
-    return "unknown"
+    return ""
+
+
+def _cpu_vendor() -> str:
+    return _cpuinfo("vendor_id") or "unknown"
 
 
 def fp32_path(onednn: bool, mkl_sgemm: bool, avx512: bool, intel: bool, choice: str = "") -> str | None:
@@ -122,8 +140,10 @@ def fp32_path(onednn: bool, mkl_sgemm: bool, avx512: bool, intel: bool, choice: 
     available; else "onednn" on an AVX-512 CPU that is not Intel's (MKL runs AVX2 kernels there),
     else "mkl", else "onednn" where only it exists, else None."""
     have = {"onednn": onednn, "mkl": mkl_sgemm}
-    if choice and choice not in have:
-        raise ValueError(f"BATON_CPU_FP32_LINEAR={choice!r}: 'mkl' or 'onednn' (or unset: chosen by the CPU)")
+    if choice and choice not in (*have, "baton"):
+        raise ValueError(f"BATON_CPU_FP32_LINEAR={choice!r}: 'baton', 'mkl' or 'onednn' (or unset: chosen by the CPU)")
+    if choice == "baton":  # Baton's GEMM where it is there (gemm_choice); this is the path without it
+        choice = ""
     if have.get(choice):
         return choice
     if choice:
@@ -167,6 +187,40 @@ def _bf16_path() -> str | None:
     return bf16_path(onednn, _sgemm() is not None)
 
 
+def gemm_choice(dtype: torch.dtype, available: bool, intel: bool, amx: bool, choice: str = "") -> bool:
+    """Whether `dtype`'s linears take Baton's GEMM: `choice` (BATON_CPU_FP32_LINEAR /
+    BATON_CPU_BF16_LINEAR) decides where given; else where it was measured ahead: fp32 on CPUs that
+    are not Intel's, bf16 where oneDNN has no AMX."""
+    var, paths = (
+        ("BATON_CPU_FP32_LINEAR", ("baton", "mkl", "onednn"))
+        if dtype == torch.float32
+        else ("BATON_CPU_BF16_LINEAR", ("baton", "onednn"))
+    )
+    if choice and choice not in paths:
+        raise ValueError(f"{var}={choice!r}: one of {', '.join(map(repr, paths))} (or unset: chosen by the CPU)")
+    if choice == "baton" and not available:
+        log.warning("%s=baton: Baton's GEMM is not built for this CPU (AVX-512, AVX-512 BF16 for bf16); not used", var)
+    if not available or choice:
+        return available and choice == "baton"
+    return not intel if dtype == torch.float32 else not amx
+
+
+def _gemm(dtype: torch.dtype):
+    """The C++ kernels' module if `dtype`'s linears take Baton's GEMM: only once a server loaded the
+    kernels (cpu_kernels ran; this never builds them), as gemm_choice says for this CPU."""
+    if dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.cache_info().currsize:
+        return None
+    ck = cpu_kernels()
+    return ck if ck is not None and _gemm_chosen(dtype, ck.gemm_available(dtype)) else None
+
+
+@functools.cache
+def _gemm_chosen(dtype: torch.dtype, available: bool) -> bool:
+    var = "BATON_CPU_FP32_LINEAR" if dtype == torch.float32 else "BATON_CPU_BF16_LINEAR"
+    amx = "amx_bf16" in _cpuinfo("flags").split()
+    return gemm_choice(dtype, available, _cpu_vendor() == "GenuineIntel", amx, os.environ.get(var, ""))
+
+
 @functools.cache
 def _supported(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
@@ -184,20 +238,21 @@ def _log_widening() -> None:
 
 def prepacked_available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether CPU linears of `dtype` (bf16 or fp32) can run from a once-packed weight here (and may)."""
-    return os.environ.get("BATON_CPU_PACKED_LINEAR", "1") != "0" and _supported(dtype)
+    return os.environ.get("BATON_CPU_PACKED_LINEAR", "1") != "0" and (_supported(dtype) or _gemm(dtype) is not None)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PackedWeight:
-    """An [N, K] weight packed once: a oneDNN opaque tensor (bf16; fp32 on non-Intel AVX-512 CPUs)
-    or MKL's packed fp32 buffer (which must never move: its metadata depends on the address's
-    alignment); `dtype` is the layer's (a
-    bf16 weight widened into MKL's fp32 buffer keeps bf16 here, and `data.dtype` is float32)."""
+    """An [N, K] weight packed once, as `kind` says: "baton" (gemm_pack's panels), "onednn" (a oneDNN
+    opaque tensor) or "mkl" (MKL's packed fp32 buffer, which must never move: its metadata depends
+    on the address's alignment); `dtype` is the layer's (a bf16 weight widened into MKL's fp32
+    buffer keeps bf16 here, and `data.dtype` is float32)."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     dtype: torch.dtype
+    kind: str
 
     def __deepcopy__(self, memo):
         raise TypeError("a packed CPU weight cannot be copied (MKL's buffer must not move): pack the plain weight")
@@ -216,10 +271,12 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
         )
     n, k = weight.shape
     w = weight.detach().contiguous()
+    if (ck := _gemm(weight.dtype)) is not None:
+        return PackedWeight(ck.gemm_pack(w), n, k, weight.dtype, "baton")
     if weight.dtype == torch.bfloat16 and _bf16_path() == "onednn":
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype, "onednn")
     if weight.dtype == torch.float32 and _fp32_path() == "onednn":
-        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, FP32_PACK_ROWS), n, k, weight.dtype)
+        return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, FP32_PACK_ROWS), n, k, weight.dtype, "onednn")
     mkl = _sgemm()
     if mkl is None:
         raise ValueError("pack_weight: this torch has no MKL packed SGEMM (see prepacked_available)")
@@ -229,7 +286,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     size = mkl.get_size(_B_MATRIX, FP32_PACK_ROWS, n, k)
     buf = torch.empty(-(-size // 4), dtype=torch.float32)  # untouched pages cost no memory
     mkl.pack(_ROW_MAJOR, _B_MATRIX, _TRANS, FP32_PACK_ROWS, n, k, 1.0, w.data_ptr(), k, buf.data_ptr())
-    return PackedWeight(buf, n, k, weight.dtype)
+    return PackedWeight(buf, n, k, weight.dtype, "mkl")
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,7 +296,9 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if x.dtype != packed.dtype or x.shape[-1] != k or x.device.type != "cpu":
         raise ValueError(f"packed_linear: x {tuple(x.shape)} {x.dtype} for a {packed.dtype} [{n}, {k}] weight")
     x2 = x.reshape(-1, k)
-    if packed.data.is_mkldnn:  # bf16, or fp32 on a non-Intel AVX-512 CPU
+    if packed.kind == "baton":
+        y = cpu_kernels().gemm_linear(x2, packed.data, bias, n)
+    elif packed.kind == "onednn":
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed.data, bias, "none", [], "")
     else:
         x2 = x2.to(torch.float32).contiguous()

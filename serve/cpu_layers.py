@@ -44,12 +44,13 @@ ENV = "BATON_CPU_LAYERS"
 
 
 def _linear(mod: nn.Module, ck) -> object | None:
-    """The C++ stack's handle on a linear layer: the bare oneDNN op over a packed weight, MKL's packed
-    SGEMM, or F.linear's op; None for any other kind of layer (quantized, sharded ...)."""
+    """The C++ stack's handle on a linear layer: Baton's GEMM or the bare oneDNN op over a packed
+    weight, MKL's packed SGEMM, or F.linear's op; None for any other kind of layer (quantized,
+    sharded ...)."""
     if type(mod) is PackedLinear:
         p = mod.packed
-        kind, address = ("onednn", 0) if p.data.is_mkldnn else ("mkl", sgemm_compute_address())
-        return ck.CpuLinear(kind, p.data, mod.bias, p.out_features, p.in_features, address)
+        address = sgemm_compute_address() if p.kind == "mkl" else 0
+        return ck.CpuLinear(p.kind, p.data, mod.bias, p.out_features, p.in_features, address)
     if type(mod) is nn.Linear:
         return ck.CpuLinear("plain", mod.weight, mod.bias, mod.out_features, mod.in_features)
     return None

@@ -17,5 +17,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("gate"), py::arg("up"));
   m.def("first_max", &first_max, "(max, index of its first occurrence) of each row; NaN where a row is not all finite",
         py::arg("x"));
+  m.def("gemm_available", &gemm_available, "whether this build has the packed GEMM for the dtype (AVX-512 / AVX-512 BF16)",
+        py::arg("dtype"));
+  m.def("gemm_pack", &gemm_pack, "an [out, in] weight packed for gemm_linear (panels of 64 output columns)",
+        py::arg("weight"));
+  m.def("gemm_linear", &gemm_linear, "x [rows, in] times a gemm_pack weight, plus bias: [rows, out]", py::arg("x"),
+        py::arg("packed"), py::arg("bias"), py::arg("out_features"));
   bind_decoder(m);
 }

@@ -20,4 +20,7 @@ std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k
                                                 torch::Tensor sin);
 torch::Tensor swiglu(torch::Tensor gate, torch::Tensor up);
 std::tuple<torch::Tensor, torch::Tensor> first_max(torch::Tensor x);
+bool gemm_available(c10::ScalarType dtype);
+torch::Tensor gemm_pack(torch::Tensor weight);
+torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, int64_t out_features);
 void bind_decoder(py::module_& m);  // decoder_cpu.cpp: CpuLinear, CpuDecoderLayers

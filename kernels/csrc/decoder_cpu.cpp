@@ -9,10 +9,10 @@
 // Python loop's (and the modules'). The GIL is released for the whole stack: a server's threads
 // keep answering while a step runs.
 //
-// A linear is one of the three kinds kernels/linear_cpu.py packs: oneDNN's blocked weight (the
-// bare mkldnn::_linear_pointwise op, through the dispatcher), MKL's packed SGEMM (cblas_sgemm_compute,
-// whose address libtorch_cpu exports; x widened to float32 and the result rounded back, as
-// packed_linear does) or a plain weight (at::linear, F.linear's op).
+// A linear is one of the kinds kernels/linear_cpu.py packs: Baton's GEMM (gemm_cpu.cpp), oneDNN's
+// blocked weight (the bare mkldnn::_linear_pointwise op, through the dispatcher), MKL's packed SGEMM
+// (cblas_sgemm_compute, whose address libtorch_cpu exports; x widened to float32 and the result
+// rounded back, as packed_linear does) or a plain weight (at::linear, F.linear's op).
 #include "cpu_kernels.h"
 
 #include <torch/extension.h>
@@ -45,8 +45,8 @@ const auto& linear_pointwise() {
 
 // One linear layer as kernels/linear_cpu.py left it: x [rows, in] -> [rows, out].
 struct CpuLinear {
-  std::string kind;  // "onednn", "mkl" or "plain"
-  torch::Tensor weight;  // oneDNN's opaque tensor, MKL's packed buffer (never moved) or the plain [out, in]
+  std::string kind;  // "baton", "onednn", "mkl" or "plain"
+  torch::Tensor weight;  // gemm_pack's panels, oneDNN's opaque tensor, MKL's packed buffer (never moved) or the plain [out, in]
   std::optional<torch::Tensor> bias;
   int64_t out_features, in_features;
   SgemmCompute sgemm = nullptr;
@@ -55,11 +55,13 @@ struct CpuLinear {
             int64_t sgemm_address)
       : kind(std::move(kind_)), weight(std::move(weight_)), bias(std::move(bias_)), out_features(out),
         in_features(in), sgemm(reinterpret_cast<SgemmCompute>(sgemm_address)) {
-    TORCH_CHECK(kind == "onednn" || kind == "plain" || (kind == "mkl" && sgemm != nullptr),
-                "CpuLinear: kind 'onednn', 'plain' or 'mkl' (with cblas_sgemm_compute's address), got '", kind, "'");
+    TORCH_CHECK(kind == "baton" || kind == "onednn" || kind == "plain" || (kind == "mkl" && sgemm != nullptr),
+                "CpuLinear: kind 'baton', 'onednn', 'plain' or 'mkl' (with cblas_sgemm_compute's address), got '", kind,
+                "'");
   }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (kind == "baton") return gemm_linear(x, weight, bias, out_features);
     if (kind == "onednn")
       return linear_pointwise().call(x, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
     if (kind == "plain") return at::linear(x, weight, bias);

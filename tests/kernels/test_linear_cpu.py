@@ -1,6 +1,7 @@
-"""CPU linears from a once-packed weight (kernels/linear_cpu.py: bf16 through oneDNN or, without it,
-widened through MKL's fp32 path; fp32 through MKL or oneDNN) against float32 / float64 references, which path bf16 takes, the model runner's use of them (greedy tokens equal the plain
-path's), and the fallback."""
+"""CPU linears from a once-packed weight (kernels/linear_cpu.py: Baton's GEMM; bf16 through oneDNN or,
+without it, widened through MKL's fp32 path; fp32 through MKL or oneDNN) against float32 / float64
+references, which path each dtype takes, the model runner's use of them (greedy tokens equal the
+plain path's), and the fallback."""
 
 import copy
 import dataclasses
@@ -11,6 +12,7 @@ import torch
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels import linear_cpu
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import PackedLinear, linear_reference, pack_linears, pack_weight, packed_linear
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
@@ -32,10 +34,36 @@ CFG = ModelConfig(
 )
 
 
-@needs_bf16
+def gemm_kernels(dtype: torch.dtype):
+    """The C++ kernels if this machine's build has Baton's GEMM for `dtype`, else None."""
+    ck = cpu_kernels()
+    return ck if ck is not None and ck.gemm_available(dtype) else None
+
+
+@pytest.fixture
+def take(monkeypatch):
+    """take(path, dtype): pack_weight packs `dtype` for `path` ("baton", or the other path this
+    machine chooses for it), whatever the CPU and the kernels' state would choose."""
+
+    def take(path: str, dtype: torch.dtype) -> None:
+        if path == "baton" and gemm_kernels(dtype) is None:
+            pytest.skip(f"no {dtype} GEMM in this build (AVX-512 / AVX-512 BF16)")
+        ck = gemm_kernels(dtype) if path == "baton" else None
+        monkeypatch.setattr(linear_cpu, "_gemm", lambda dt: ck)
+        if dtype == torch.float32 and path != "baton":
+            monkeypatch.setattr(linear_cpu, "_fp32_path", lambda: path)
+
+    return take
+
+
+BF16_PATHS = ["baton", pytest.param("other", marks=needs_bf16)]
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("m,n,k", [(1, 1536, 1024), (3, 7, 33), (8, 96, 2816), (5, 13, 100), (64, 17, 63), (2, 1, 1)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
+def test_packed_linear_matches_the_float32_reference(take, path, m, n, k, bias):
+    take(path, torch.bfloat16)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(2, m, k, generator=g).bfloat16()
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
@@ -47,6 +75,7 @@ def test_packed_linear_matches_the_float32_reference(m, n, k, bias):
 
 
 FP32_PATHS = [
+    "baton",
     pytest.param("mkl", marks=pytest.mark.skipif(linear_cpu._sgemm() is None, reason="torch without MKL")),
     pytest.param("onednn", marks=pytest.mark.skipif(not linear_cpu._mkldnn_linear(), reason="torch without oneDNN")),
 ]
@@ -57,10 +86,10 @@ FP32_PATHS = [
     "m,n,k", [(1, 1536, 1024), (3, 7, 33), (16, 96, 2816), (17, 96, 2816), (64, 17, 63), (300, 5, 1)]
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_fp32_packed_linear_matches_the_float64_reference(monkeypatch, path, m, n, k, bias):
-    """Both fp32 paths at every batch size (one pack serves all M; the pack's row hint is 64), as
-    close to the float64 product as F.linear's own SGEMM is."""
-    monkeypatch.setattr(linear_cpu, "_fp32_path", lambda: path)
+def test_fp32_packed_linear_matches_the_float64_reference(take, path, m, n, k, bias):
+    """Every fp32 path at every batch size (one pack serves all M; MKL's row hint is 64), as close
+    to the float64 product as F.linear's own SGEMM is."""
+    take(path, torch.float32)
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(2, m, k, generator=g)
     w = torch.randn(n, k, generator=g) / k**0.5
@@ -69,7 +98,7 @@ def test_fp32_packed_linear_matches_the_float64_reference(monkeypatch, path, m, 
         packed = pack_weight(w)
         y = packed_linear(x, packed, b)
     ref = linear_reference(x, w, b)
-    assert packed.data.is_mkldnn == (path == "onednn")
+    assert packed.kind == path and packed.data.is_mkldnn == (path == "onednn")
     assert y.shape == (2, m, n) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     plain_err = (torch.nn.functional.linear(x, w, b) - ref).abs().max()
@@ -100,18 +129,70 @@ def test_fp32_takes_onednn_on_avx512_cpus_not_intels_else_mkl():
     assert path(onednn=False, mkl=False) is None
     assert path(choice="mkl") == "mkl" and path(intel=True, choice="onednn") == "onednn"  # the override
     assert path(onednn=False, choice="onednn") == "mkl"  # an override it cannot take falls back
+    assert path(choice="baton") == "onednn"  # the path where Baton's GEMM is not there
     with pytest.raises(ValueError, match="BATON_CPU_FP32_LINEAR.*'mkl' or 'onednn'"):
         path(choice="mlk")
 
 
-@needs_bf16
+def test_baton_gemm_is_chosen_where_measured_ahead_or_asked_for():
+    def choose(dtype, available=True, intel=False, amx=False, choice=""):
+        return linear_cpu.gemm_choice(dtype, available, intel, amx, choice)
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert choose(f32) and choose(bf16)  # AMD Zen 4: AVX-512 BF16, no AMX
+    assert not choose(f32, intel=True) and choose(bf16, intel=True)  # MKL's own CPU keeps MKL for fp32
+    assert not choose(bf16, amx=True) and choose(f32, amx=True)  # AMX: oneDNN's bf16 tiles
+    assert choose(f32, intel=True, choice="baton") and choose(bf16, amx=True, choice="baton")
+    assert not choose(f32, choice="mkl") and not choose(bf16, choice="onednn")
+    assert not choose(f32, available=False) and not choose(bf16, available=False, choice="baton")
+    with pytest.raises(ValueError, match="BATON_CPU_BF16_LINEAR='mkl'.*'baton', 'onednn'"):
+        choose(bf16, choice="mkl")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_baton_gemm_gives_a_row_the_same_bits_alone_or_in_any_batch(take, dtype):
+    """Each output is one sum over k in order, whatever M, the row's place or the thread split."""
+    take("baton", dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 1000, generator=g).to(dtype)
+    w, b = (torch.randn(200, 1000, generator=g) / 32).to(dtype), torch.randn(200, generator=g).to(dtype)
+    packed = pack_weight(w)
+    whole = packed_linear(x, packed, b)
+    for rows in (slice(0, 1), slice(7, 8), slice(5, 11), slice(250, 300)):
+        assert torch.equal(packed_linear(x[rows], packed, b), whole[rows])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(packed_linear(x, packed, b), whole)
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_baton_gemm_takes_strided_rows_and_an_odd_k(take, dtype):
+    """x may be a column slice (its rows strided, as a fused projection's halves are); a bf16 K
+    that is odd pads the last k pair with a zero, never reading past a row."""
+    take("baton", dtype)
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(9, 80, generator=g).to(dtype)
+    x = wide[:, 3:72]  # K = 69, rows 80 apart
+    w = torch.randn(70, 69, generator=g).to(dtype)
+    y = packed_linear(x, pack_weight(w))
+    assert torch.equal(y, packed_linear(x.contiguous(), pack_weight(w)))
+    tol = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(y.float(), linear_reference(x, w).float(), **tol)
+    wide[:, 72:] = float("nan")  # what lies past the slice never reaches the sums
+    assert torch.equal(packed_linear(wide[:, 3:72], pack_weight(w)), y)
+
+
+@pytest.mark.parametrize("path", BF16_PATHS)
 @pytest.mark.parametrize("m", [1, 17, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_packed_linear_at_serving_shapes_matches_the_reference_as_f_linear_does(m, bias):
+def test_bf16_packed_linear_at_serving_shapes_matches_the_reference_as_f_linear_does(take, path, m, bias):
     """A 25M gate_up-sized weight (without oneDNN bf16: widened, MKL's fp32 GEMM, one rounding). The
     once-rounded float32 reference differs from it only by summation order, so outputs agree but for
     rare last-bit flips at rounding ties, no more often than bf16 F.linear's, and the error against
     the float64 product is of F.linear's size."""
+    take(path, torch.bfloat16)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 512, generator=g).bfloat16()
     w = (torch.randn(2816, 512, generator=g) / 512**0.5).bfloat16()
@@ -176,6 +257,7 @@ def test_the_model_runner_packs_linears_and_greedy_tokens_stay_the_same(monkeypa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_without_onednn_bf16_or_mkl_nothing_is_packed(monkeypatch, dtype):
     monkeypatch.setattr(linear_cpu, "_supported", lambda dtype: False)
+    monkeypatch.setattr(linear_cpu, "_gemm", lambda dtype: None)
     model = build_model(CFG, seed=0).to(dtype)
     assert pack_linears(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())

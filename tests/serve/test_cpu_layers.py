@@ -10,6 +10,7 @@ import torch
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels import linear_cpu
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.common.rope import rotary_cos_sin
 from baton.serve.cpu_layers import CpuHead, CpuLayers
 from baton.serve.model_runner import ModelRunner
@@ -101,34 +102,48 @@ def test_batons_cpu_layers_switch_turns_the_path_off(monkeypatch):
 
 
 @pytest.fixture
-def fp32_linear_choice(monkeypatch):
-    """Sets BATON_CPU_FP32_LINEAR for one test: the packed fp32 path is chosen once per process."""
+def linear_choice(monkeypatch):
+    """Sets BATON_CPU_FP32_LINEAR / BATON_CPU_BF16_LINEAR for one test: the paths are chosen once
+    per process."""
+    caches = (linear_cpu._fp32_path, linear_cpu._gemm_chosen)
 
-    def choose(path: str) -> None:
-        monkeypatch.setenv("BATON_CPU_FP32_LINEAR", path)
-        linear_cpu._fp32_path.cache_clear()
+    def choose(var: str, path: str) -> None:
+        monkeypatch.setenv(var, path)
+        for c in caches:
+            c.cache_clear()
 
     yield choose
-    linear_cpu._fp32_path.cache_clear()  # the next runner chooses again, from the restored variable
+    for c in caches:
+        c.cache_clear()  # the next runner chooses again, from the restored variables
 
 
-@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn", "mkl-bf16"])
-def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, fp32_linear_choice):
+@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn", "baton", "mkl-bf16", "onednn-bf16", "baton-bf16"])
+def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, linear_choice):
     """Packing off (BATON_CPU_PACKED_LINEAR=0): nn.Linear, F.linear then; MKL's packed SGEMM (the
-    path Intel CPUs take, chosen here by BATON_CPU_FP32_LINEAR) and oneDNN's packed weight; bf16
-    widened into MKL's fp32 pack (the path of a CPU without oneDNN bf16, forced here)."""
-    dtype, kind = torch.float32, linears
+    path Intel CPUs take), oneDNN's packed weight and Baton's GEMM, each chosen here by
+    BATON_CPU_FP32_LINEAR / BATON_CPU_BF16_LINEAR; bf16 widened into MKL's fp32 pack (the path of a
+    CPU without oneDNN bf16, forced here)."""
+    kind, _, bf16 = linears.partition("-")
+    dtype = torch.bfloat16 if bf16 else torch.float32
     if linears == "plain":
         monkeypatch.setenv("BATON_CPU_PACKED_LINEAR", "0")
     elif linears == "mkl-bf16":
         if not linear_cpu.prepacked_available(torch.bfloat16) or linear_cpu._sgemm() is None:
             pytest.skip("this torch has no MKL packed SGEMM")
+        linear_choice("BATON_CPU_BF16_LINEAR", "onednn")  # not Baton's GEMM, and oneDNN's bf16 missing:
         monkeypatch.setattr(linear_cpu, "_bf16_path", lambda: "mkl-fp32")
-        dtype, kind = torch.bfloat16, "mkl"
+    elif kind == "baton":
+        if cpu_kernels() is None or not cpu_kernels().gemm_available(dtype):
+            pytest.skip(f"no {dtype} GEMM in this build (AVX-512 / AVX-512 BF16)")
+        linear_choice(f"BATON_CPU_{'BF16' if bf16 else 'FP32'}_LINEAR", "baton")
+    elif bf16:
+        linear_choice("BATON_CPU_BF16_LINEAR", kind)
+        if linear_cpu._bf16_path() != kind:
+            pytest.skip(f"this torch has no {kind} packed bf16 path")
     else:
-        fp32_linear_choice(linears)
-        if linear_cpu._fp32_path() != linears:
-            pytest.skip(f"this torch has no {linears} packed fp32 path")
+        linear_choice("BATON_CPU_FP32_LINEAR", kind)
+        if linear_cpu._fp32_path() != kind:
+            pytest.skip(f"this torch has no {kind} packed fp32 path")
     runners = {fast: _runner(CFG, dtype, fast) for fast in (True, False)}
     layers = runners[True].cpu_layers
     assert layers.stack.linear(layers.bound[id(runners[True].layers[0])].id, "qkv").kind == kind

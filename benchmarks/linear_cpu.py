@@ -1,6 +1,8 @@
 """bf16 linear layers on CPU: torch's F.linear (oneDNN, reordering the plain weight every call)
-against a oneDNN weight reordered once (kernels/linear_cpu.py), with fp32 F.linear and fp32 from
-MKL's once-packed SGEMM (the same file) beside them,
+against a oneDNN weight reordered once (kernels/linear_cpu.py) and Baton's own GEMM over its packed
+panels (kernels/csrc/gemm_cpu.cpp, where this CPU has AVX-512 / AVX-512 BF16), with fp32 F.linear,
+fp32 packed by MKL or oneDNN (whichever the CPU takes without Baton's GEMM) and fp32 on Baton's
+GEMM beside them,
 at the 110M serving model's shapes (8 layers of qkv / o / gate_up / down plus the LM head, so the
 weights do not sit in L2), M = 1..2048 rows; then whole decode steps of that model through the
 model runner, packed and plain, at batch 1 and 8, with a torch-profiler split of one step.
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
+from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import pack_weight, packed_linear
 from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
@@ -63,18 +66,25 @@ def linears(m: dict, rows: list[int], rounds: int, clock) -> list[dict]:
     sh = shapes(m) * m["num_hidden_layers"] + [(m["hidden_size"], m["vocab_size"])]
     w32 = [torch.randn(n, k, generator=g) / k**0.5 for k, n in sh]
     w16 = [w.bfloat16() for w in w32]
-    packed = [pack_weight(w) for w in w16]
-    packed32 = [pack_weight(w) for w in w32]
+    ck = cpu_kernels()  # Baton's GEMM is used once a server loaded the kernels: load them here
+    sides = {
+        "fp32": (w32, [pack_weight(w, gemm=False) for w in w32]),
+        "bf16": (w16, [pack_weight(w, gemm=False) for w in w16]),
+    }
+    for name, ws in (("fp32", w32), ("bf16", w16)):
+        if ck is not None and ck.gemm_available(ws[0].dtype):
+            sides[f"{name} baton"] = (ws, [pack_weight(w, gemm=True) for w in ws])
     out = []
     for M in rows:
         x32 = {k: torch.randn(M, k, generator=g) for k, _ in sh}
-        x16 = {k: x.bfloat16() for k, x in x32.items()}
-        fns = {
-            "fp32 F.linear": lambda x32=x32: [F.linear(x32[w.shape[1]], w) for w in w32],
-            "fp32 packed": lambda x32=x32: [packed_linear(x32[w.shape[1]], p) for w, p in zip(w32, packed32)],
-            "bf16 F.linear": lambda x16=x16: [F.linear(x16[w.shape[1]], w) for w in w16],
-            "bf16 packed": lambda x16=x16: [packed_linear(x16[w.shape[1]], p) for w, p in zip(w16, packed)],
-        }
+        xs = {torch.float32: x32, torch.bfloat16: {k: x.bfloat16() for k, x in x32.items()}}
+        fns = {}
+        for name, (ws, packed) in sides.items():
+            x = xs[ws[0].dtype]
+            if " " not in name:
+                fns[f"{name} F.linear"] = lambda x=x, ws=ws: [F.linear(x[w.shape[1]], w) for w in ws]
+                name = f"{name} packed"
+            fns[name] = lambda x=x, ws=ws, packed=packed: [packed_linear(x[w.shape[1]], p) for w, p in zip(ws, packed)]
         t = best_of(fns, rounds, clock)
         out.append({"rows": M, "ms": {k: v * 1e3 for k, v in t.items()}})
         print(f"M={M:5d} " + "  ".join(f"{k} {v * 1e3:8.2f} ms" for k, v in t.items()), flush=True)

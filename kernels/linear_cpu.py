@@ -205,13 +205,19 @@ def gemm_choice(dtype: torch.dtype, available: bool, intel: bool, amx: bool, cho
     return not intel if dtype == torch.float32 else not amx
 
 
-def _gemm(dtype: torch.dtype):
-    """The C++ kernels' module if `dtype`'s linears take Baton's GEMM: only once a server loaded the
-    kernels (cpu_kernels ran; this never builds them), as gemm_choice says for this CPU."""
+def _gemm_kernels(dtype: torch.dtype):
+    """The C++ kernels' module if it has Baton's GEMM for `dtype`: only once a server loaded the
+    kernels (cpu_kernels ran; this never builds them)."""
     if dtype not in (torch.float32, torch.bfloat16) or not cpu_kernels.cache_info().currsize:
         return None
     ck = cpu_kernels()
-    return ck if ck is not None and _gemm_chosen(dtype, ck.gemm_available(dtype)) else None
+    return ck if ck is not None and ck.gemm_available(dtype) else None
+
+
+def _gemm(dtype: torch.dtype):
+    """The C++ kernels' module if `dtype`'s linears take Baton's GEMM (gemm_choice for this CPU)."""
+    ck = _gemm_kernels(dtype)
+    return ck if _gemm_chosen(dtype, ck is not None) else None
 
 
 @functools.cache
@@ -258,8 +264,10 @@ class PackedWeight:
         raise TypeError("a packed CPU weight cannot be copied (MKL's buffer must not move): pack the plain weight")
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """The [N, K] bf16 or fp32 CPU weight packed for `packed_linear`. bf16: oneDNN picks its blocked
+def pack_weight(weight: torch.Tensor, gemm: bool | None = None) -> PackedWeight:
+    """The [N, K] bf16 or fp32 CPU weight packed for `packed_linear`: for Baton's GEMM where this CPU
+    takes it (`gemm` None), always (True: the kernels must be loaded and have it) or never (False,
+    the path the CPU takes without it; both for measuring one against the other). bf16: oneDNN picks its blocked
     layout for a batch size; the one for PACK_ROWS rows measured within 4% of the M = 1 layout at
     decode (M = 1, 8) and up to 1.4x faster than it at prefill (M = 64..2048, the down projection).
     Without oneDNN bf16 a bf16 weight is widened to fp32 and packed by MKL: 2x its memory."""
@@ -271,7 +279,12 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
         )
     n, k = weight.shape
     w = weight.detach().contiguous()
-    if (ck := _gemm(weight.dtype)) is not None:
+    ck = _gemm(weight.dtype) if gemm is None else _gemm_kernels(weight.dtype) if gemm else None
+    if gemm and ck is None:
+        raise ValueError(
+            f"pack_weight(gemm=True): no {weight.dtype} GEMM loaded (cpu_kernels(), AVX-512 / AVX-512 BF16)"
+        )
+    if ck is not None:
         return PackedWeight(ck.gemm_pack(w), n, k, weight.dtype, "baton")
     if weight.dtype == torch.bfloat16 and _bf16_path() == "onednn":
         return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), n, k, weight.dtype, "onednn")

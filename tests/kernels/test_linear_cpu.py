@@ -268,3 +268,19 @@ def test_a_tied_lm_head_keeps_its_shared_weight(dtype):
     model = build_model(dataclasses.replace(CFG, tie_word_embeddings=True), seed=0).to(dtype)
     assert pack_linears(model) == 7 * CFG.num_hidden_layers  # every projection; not the tied head
     assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_weight_can_be_told_to_take_batons_gemm_or_not(monkeypatch, dtype):
+    """gemm=True / False override the CPU's choice (what the linear benchmark compares); True where
+    the GEMM is not loaded is refused, naming it."""
+    if gemm_kernels(dtype) is None:
+        pytest.skip(f"no {dtype} GEMM in this build (AVX-512 / AVX-512 BF16)")
+    w, x = torch.randn(40, 24).to(dtype), torch.randn(3, 24).to(dtype)
+    ours, other = pack_weight(w, gemm=True), pack_weight(w, gemm=False)
+    assert ours.kind == "baton" and other.kind != "baton"
+    tol = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(packed_linear(x, ours).float(), packed_linear(x, other).float(), **tol)
+    monkeypatch.setattr(linear_cpu, "_gemm_kernels", lambda dt: None)
+    with pytest.raises(ValueError, match="gemm=True.*no torch.* GEMM loaded"):
+        pack_weight(w, gemm=True)

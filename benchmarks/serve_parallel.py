@@ -39,7 +39,7 @@ import torch
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
-from baton.kernels.linear_cpu import PROFILER_NAME
+from baton.kernels.linear_cpu import GEMM_PROFILER_NAME, PROFILER_NAME
 from baton.serve import LLM, SamplingParams
 from baton.serve.engine import EngineConfig
 from baton.serve.model_runner import kv_block_bytes
@@ -129,7 +129,11 @@ def decode_steps(llm: LLM, vocab: int, steps: int, profile: bool = False) -> dic
     return out
 
 
-PACKED_GEMMS = ("mkldnn::_linear_pointwise", PROFILER_NAME)  # linears packed at load (kernels/linear_cpu.py)
+PACKED_GEMMS = (
+    "mkldnn::_linear_pointwise",
+    PROFILER_NAME,
+    GEMM_PROFILER_NAME,
+)  # linears packed at load (kernels/linear_cpu.py)
 CATEGORIES = (  # first match wins; op names as torch.profiler reports them on CPU
     ("collectives", ("c10d", "gloo", "allreduce", "all_reduce", "all_gather", "broadcast", "send", "recv")),
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", *PACKED_GEMMS)),

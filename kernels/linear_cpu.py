@@ -46,8 +46,8 @@ memory (logged once), and every call reads 4 bytes per weight instead of 2.
 Baton's own GEMM (csrc/gemm_cpu.cpp), once a server has loaded the C++ kernels: on AMD Zen 4 (2
 cores, the 110M serving model's linears cycling through 8 layers, docs/benchmarks.md) it streams the
 weights at ~50 GB/s where oneDNN's small-M kernels reach ~22, and keeps the FMAs busier at M = 16-64:
-bf16 2.0x oneDNN at M = 1, 1.5x at 4-8, 1.06-1.2x at 16-64, even at 256-2048; fp32 1.4-1.7x at
-M = 1, 1.1-1.3x at 8-24, 1.0-1.1x above. So it is the default where measured: fp32 on AVX-512 CPUs
+bf16 1.4-1.6x oneDNN at M = 1-8, 1.04-1.26x at 12-64, level at 256-2048; fp32 1.4-1.7x at M = 1-8,
+1.04-1.22x at 12-64, 0.95-1.05x at 256-2048. So it is the default where measured: fp32 on AVX-512 CPUs
 that are not Intel's, bf16 on AVX-512 BF16 CPUs without AMX (oneDNN's AMX tiles are the faster
 prefill there). BATON_CPU_FP32_LINEAR=baton|mkl|onednn and BATON_CPU_BF16_LINEAR=baton|onednn
 override the choice. Its sums run over k in order for every row, so a row's output does not depend
@@ -78,6 +78,7 @@ PACK_ROWS = 2048  # bf16: a prefill chunk (the serving benchmarks run 2,048 batc
 FP32_PACK_ROWS = 64  # fp32: MKL's blocking for decode batches (module docstring); oneDNN's within 3% of 2048's
 _ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151  # mkl_cblas.h's enums
 PROFILER_NAME = "baton::packed_sgemm"  # MKL's GEMM's range in a torch profile (oneDNN's is mkldnn::_linear_pointwise)
+GEMM_PROFILER_NAME = "baton::gemm"  # Baton's GEMM's (csrc/gemm_cpu.cpp records it)
 _NO_RANGE = contextlib.nullcontext()
 log = logging.getLogger(__name__)
 

@@ -284,3 +284,12 @@ def test_pack_weight_can_be_told_to_take_batons_gemm_or_not(monkeypatch, dtype):
     monkeypatch.setattr(linear_cpu, "_gemm_kernels", lambda dt: None)
     with pytest.raises(ValueError, match="gemm=True.*no torch.* GEMM loaded"):
         pack_weight(w, gemm=True)
+
+
+def test_batons_gemm_is_named_in_a_torch_profile(take):
+    """The C++ call records GEMM_PROFILER_NAME, so profiles (serve_parallel's matmul share) count it."""
+    take("baton", torch.float32)
+    packed = pack_weight(torch.randn(64, 32))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        packed_linear(torch.randn(4, 32), packed)
+    assert linear_cpu.GEMM_PROFILER_NAME in {e.key for e in prof.key_averages()}

@@ -136,8 +136,9 @@ def test_each_rank_holds_its_share(tmp_path_factory, name, tp, pp, moe):
 )
 def test_packed_linears_count_at_the_width_they_are_packed_in(monkeypatch, dtype, path, width):
     """A bf16 weight widened to fp32 for MKL (a CPU without oneDNN bf16) holds 4 bytes a weight."""
-    if path is not None:
+    if path is not None:  # that path, not Baton's GEMM (which packs bf16 at 2 bytes too)
         monkeypatch.setattr(linear_cpu, "_bf16_path", lambda: path)
+        monkeypatch.setattr(linear_cpu, "_gemm", lambda dtype: None)
     needs = {None: linear_cpu.prepacked_available(dtype), "onednn": linear_cpu._mkldnn_bf16()}
     if not needs.get(path, linear_cpu._sgemm() is not None):
         pytest.skip("this torch cannot pack that path here")

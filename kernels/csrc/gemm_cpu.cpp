@@ -186,8 +186,8 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<t
   RECORD_FUNCTION("baton::gemm", std::vector<c10::IValue>());  // a profile's name for it (free when none records)
   torch::Tensor b;  // fp32, as the sums are
   if (bias) b = bias->to(at::kFloat).contiguous();
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  const int64_t lda = m > 1 ? x.stride(0) : x.size(1);
+  [[maybe_unused]] const float* bp = bias ? b.data_ptr<float>() : nullptr;  // unused where nothing is built
+  [[maybe_unused]] const int64_t lda = m > 1 ? x.stride(0) : x.size(1);
 #if defined(__AVX512F__)
   if (!bf16) {
     using Micro = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);

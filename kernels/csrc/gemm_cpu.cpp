@@ -179,6 +179,8 @@ torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<t
   const int64_t m = x.size(0), k = x.size(1), k_steps = packed.size(1);
   TORCH_CHECK(packed.size(0) * kPanel >= out_features && k_steps == (bf16 ? (k + 1) / 2 : k),
               "gemm_linear: x ", x.sizes(), " does not fit the packed weight ", packed.sizes());
+  TORCH_CHECK(!bias || bias->numel() == out_features, "gemm_linear: a bias of ", out_features, " values, got ",
+              bias ? bias->numel() : 0);
   if (bf16 && k % 2) x = at::constant_pad_nd(x, {0, 1});  // the last pair's second value: a zero
   if (x.stride(1) != 1 || (m > 1 && x.stride(0) < x.size(1))) x = x.contiguous();
   auto y = torch::empty({m, out_features}, x.options());

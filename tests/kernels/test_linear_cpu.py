@@ -293,3 +293,10 @@ def test_batons_gemm_is_named_in_a_torch_profile(take):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         packed_linear(torch.randn(4, 32), packed)
     assert linear_cpu.GEMM_PROFILER_NAME in {e.key for e in prof.key_averages()}
+
+
+def test_batons_gemm_refuses_a_bias_of_the_wrong_length(take):
+    """The C++ call reads the bias out_features wide: any other length is refused, never read past."""
+    take("baton", torch.float32)
+    with pytest.raises(RuntimeError, match="a bias of 16 values, got 15"):
+        packed_linear(torch.randn(2, 8), pack_weight(torch.randn(16, 8)), torch.randn(15))

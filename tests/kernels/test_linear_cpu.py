@@ -160,11 +160,12 @@ def test_baton_gemm_gives_a_row_the_same_bits_alone_or_in_any_batch(take, dtype)
     whole = packed_linear(x, packed, b)
     for rows in (slice(0, 1), slice(7, 8), slice(5, 11), slice(250, 300)):
         assert torch.equal(packed_linear(x[rows], packed, b), whole[rows])
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert torch.equal(packed_linear(x, packed, b), whole)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

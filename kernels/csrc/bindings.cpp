@@ -23,5 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("gemm_linear", &gemm_linear, "x [rows, in] times a gemm_pack weight, plus bias: [rows, out]", py::arg("x"),
         py::arg("packed"), py::arg("bias"), py::arg("out_features"));
+  m.def("gemm_swiglu", &gemm_swiglu,
+        "silu(gate) * up from x [rows, in] and a gemm_pack fused gate/up weight [2I, in] (I a multiple of 64)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("intermediate"));
   bind_decoder(m);
 }

@@ -23,4 +23,6 @@ std::tuple<torch::Tensor, torch::Tensor> first_max(torch::Tensor x);
 bool gemm_available(c10::ScalarType dtype);
 torch::Tensor gemm_pack(torch::Tensor weight);
 torch::Tensor gemm_linear(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, int64_t out_features);
+bool gemm_swiglu_fits(const torch::Tensor& packed, int64_t intermediate);
+torch::Tensor gemm_swiglu(torch::Tensor x, torch::Tensor packed, std::optional<torch::Tensor> bias, int64_t intermediate);
 void bind_decoder(py::module_& m);  // decoder_cpu.cpp: CpuLinear, CpuDecoderLayers

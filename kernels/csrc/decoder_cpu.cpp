@@ -85,6 +85,7 @@ struct CpuDecoderLayer {
   double scale;
   int64_t window;  // 0: none
   torch::Tensor k_cache, v_cache;
+  bool fused_swiglu;  // Baton's GEMM computes silu(gate) * up in its epilogue (gemm_swiglu)
 };
 
 // The bound layers of one runner; run() takes any of them, in the order given.
@@ -95,7 +96,9 @@ class CpuDecoderLayers {
               int64_t intermediate, double scale, int64_t window, torch::Tensor k_cache, torch::Tensor v_cache) {
     layers_.push_back({std::move(norm_in), std::move(norm_post), eps_in, eps_post, std::move(qkv), std::move(o),
                        std::move(gate_up), std::move(down), heads, kv_heads, head_dim, intermediate, scale, window,
-                       std::move(k_cache), std::move(v_cache)});
+                       std::move(k_cache), std::move(v_cache), false});
+    auto& l = layers_.back();
+    l.fused_swiglu = l.gate_up.kind == "baton" && gemm_swiglu_fits(l.gate_up.weight, intermediate);
     return static_cast<int64_t>(layers_.size()) - 1;
   }
 
@@ -124,13 +127,19 @@ class CpuDecoderLayers {
       const auto a = paged_decode(q, l.k_cache, l.v_cache, tables, lens, l.scale, window_in_cache ? l.window : 0,
                                   std::nullopt);
       std::tie(y, res) = rms_norm(l.o(a.view({t, hq})), l.norm_post, l.eps_post, res);
-      const auto gu = l.gate_up(y);
-      out = l.down(swiglu(gu.slice(1, 0, l.intermediate), gu.slice(1, l.intermediate)));
+      if (l.fused_swiglu) {
+        out = l.down(gemm_swiglu(y, l.gate_up.weight, l.gate_up.bias, l.intermediate));
+      } else {
+        const auto gu = l.gate_up(y);
+        out = l.down(swiglu(gu.slice(1, 0, l.intermediate), gu.slice(1, l.intermediate)));
+      }
     }
     return res.defined() ? res + out : h;
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  bool fuses_swiglu(int64_t id) const { return layers_.at(id).fused_swiglu; }
 
   const CpuLinear& linear(int64_t id, const std::string& name) const {
     const auto& l = layers_.at(id);
@@ -161,6 +170,8 @@ void bind_decoder(py::module_& m) {
       .def("run", &CpuDecoderLayers::run, "h [T, hidden] through the layers `ids`, in order",
            py::arg("h"), py::arg("ids"), py::arg("cos"), py::arg("sin"), py::arg("tables"), py::arg("lens"),
            py::arg("slot_mapping"), py::arg("window_in_cache"), py::call_guard<py::gil_scoped_release>())
+      .def("fuses_swiglu", &CpuDecoderLayers::fuses_swiglu, "whether layer `id`'s gate/up GEMM applies SwiGLU itself",
+           py::arg("id"))
       .def("linear", &CpuDecoderLayers::linear, py::arg("id"), py::arg("name"), py::return_value_policy::copy)
       .def("__len__", &CpuDecoderLayers::size);
 }

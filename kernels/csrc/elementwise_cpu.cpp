@@ -97,10 +97,7 @@ void swiglu_rows(const T* g, int64_t sg, const T* u, int64_t su, T* out, int64_t
 #if defined(BATON_SIMD)
       using namespace baton_simd;
       if constexpr (std::is_same_v<T, float> || kStoresBf16) {
-        for (; d + kW <= n; d += kW) {
-          const vec x = vload(gi + d), e = vexp(vmin(x, vsub(vzero(), x)));
-          vstore(oi + d, vdiv(vmul(vmul(x, vload(ui + d)), vpick_nonneg(x, vset1(1.f), e)), vadd(vset1(1.f), e)));
-        }
+        for (; d + kW <= n; d += kW) vstore(oi + d, vswiglu(vload(gi + d), vload(ui + d)));
       }
 #endif
       for (; d < n; ++d) {

@@ -185,6 +185,14 @@ inline vec vexp(vec x0) {
   y = vfmadd(y, vmul(r, r), vadd(r, vset1(1.f)));
   return vzero_below(x0, -87.f, vscale2(y, n));
 }
+
+// silu(x) * u in float32: the sigmoid from e = exp(-|x|) (vexp's polynomial takes arguments <= 0
+// only): 1 / (1 + e) where x >= 0, e / (1 + e) below. One definition for swiglu() and the GEMM's
+// fused epilogue (gemm_cpu.cpp), so the two round alike.
+inline vec vswiglu(vec x, vec u) {
+  const vec e = vexp(vmin(x, vsub(vzero(), x)));
+  return vdiv(vmul(vmul(x, u), vpick_nonneg(x, vset1(1.f), e)), vadd(vset1(1.f), e));
+}
 #endif
 
 }  // namespace baton_simd

@@ -301,3 +301,40 @@ def test_batons_gemm_refuses_a_bias_of_the_wrong_length(take):
     take("baton", torch.float32)
     with pytest.raises(RuntimeError, match="a bias of 16 values, got 15"):
         packed_linear(torch.randn(2, 8), pack_weight(torch.randn(16, 8)), torch.randn(15))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter,k", [(64, 100), (192, 33), (2816, 1024)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_swiglu_is_the_gemm_then_swiglu_bit_for_bit(dtype, inter, k, bias):
+    """The fused gate/up GEMM's epilogue (silu(gate) * up from the tiles) stores exactly what
+    gemm_linear's [rows, 2I] output through swiglu() would: any M, odd K, with and without bias."""
+    ck = gemm_kernels(dtype)
+    if ck is None:
+        pytest.skip(f"no {dtype} GEMM in this build (AVX-512 / AVX-512 BF16)")
+    g = torch.Generator().manual_seed(5)
+    packed = ck.gemm_pack((torch.randn(2 * inter, k, generator=g) / 8).to(dtype))
+    b = torch.randn(2 * inter, generator=g).to(dtype) if bias else None
+    for m in (1, 5, 7, 36, 65, 300):
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        gu = ck.gemm_linear(x, packed, b, 2 * inter)
+        want = ck.swiglu(gu[:, :inter], gu[:, inter:])
+        assert torch.equal(ck.gemm_swiglu(x, packed, b, inter), want)
+    ref = torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()  # and it is SwiGLU
+    torch.testing.assert_close(want.float(), ref, **(BF16 if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}))
+
+
+def test_gemm_swiglu_refuses_a_weight_it_cannot_split(take):
+    """The gate half must be whole panels (intermediate a multiple of 64) and the weight 2 x it."""
+    take("baton", torch.float32)
+    ck = gemm_kernels(torch.float32)
+    packed = ck.gemm_pack(torch.randn(2 * 80, 16))
+    with pytest.raises(RuntimeError, match="gemm_swiglu: a fused gate/up weight of 2 x 80 outputs"):
+        ck.gemm_swiglu(torch.randn(2, 16), packed, None, 80)
+    packed = ck.gemm_pack(torch.randn(2 * 64, 16))
+    with pytest.raises(RuntimeError, match="a fused gate/up weight of 2 x 128 outputs"):
+        ck.gemm_swiglu(torch.randn(2, 16), packed, None, 128)
+    with pytest.raises(RuntimeError, match="a bias of 128 values, got 64"):
+        ck.gemm_swiglu(torch.randn(2, 16), packed, torch.randn(64), 64)
+    with pytest.raises(RuntimeError, match="does not fit the packed weight"):
+        ck.gemm_swiglu(torch.randn(2, 15), packed, None, 64)

@@ -30,6 +30,7 @@ VARIANTS = {
     "llama": {},
     "mistral-window": {"sliding_window": 6, "model_type": "mistral"},
     "qwen2-bias": {"qkv_bias": True, "model_type": "qwen2"},
+    "llama-whole-panels": {"intermediate_size": 192},  # where Baton's GEMM is chosen: SwiGLU in its epilogue
 }
 
 
@@ -117,12 +118,18 @@ def linear_choice(monkeypatch):
         c.cache_clear()  # the next runner chooses again, from the restored variables
 
 
-@pytest.mark.parametrize("linears", ["plain", "mkl", "onednn", "baton", "mkl-bf16", "onednn-bf16", "baton-bf16"])
+@pytest.mark.parametrize(
+    "linears",
+    ["plain", "mkl", "onednn", "baton", "baton+swiglu", "mkl-bf16", "onednn-bf16", "baton-bf16", "baton-bf16+swiglu"],
+)
 def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, linear_choice):
     """Packing off (BATON_CPU_PACKED_LINEAR=0): nn.Linear, F.linear then; MKL's packed SGEMM (the
     path Intel CPUs take), oneDNN's packed weight and Baton's GEMM, each chosen here by
     BATON_CPU_FP32_LINEAR / BATON_CPU_BF16_LINEAR; bf16 widened into MKL's fp32 pack (the path of a
-    CPU without oneDNN bf16, forced here)."""
+    CPU without oneDNN bf16, forced here). "+swiglu": an intermediate size of whole 64-column
+    panels, where Baton's gate/up GEMM applies SwiGLU in its epilogue (gemm_swiglu)."""
+    linears, fused = linears.removesuffix("+swiglu"), linears.endswith("+swiglu")
+    cfg = dataclasses.replace(CFG, intermediate_size=192) if fused else CFG
     kind, _, bf16 = linears.partition("-")
     dtype = torch.bfloat16 if bf16 else torch.float32
     if linears == "plain":
@@ -144,15 +151,17 @@ def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, linear_ch
         linear_choice("BATON_CPU_FP32_LINEAR", kind)
         if linear_cpu._fp32_path() != kind:
             pytest.skip(f"this torch has no {kind} packed fp32 path")
-    runners = {fast: _runner(CFG, dtype, fast) for fast in (True, False)}
+    runners = {fast: _runner(cfg, dtype, fast) for fast in (True, False)}
     layers = runners[True].cpu_layers
-    assert layers.stack.linear(layers.bound[id(runners[True].layers[0])].id, "qkv").kind == kind
+    first = layers.bound[id(runners[True].layers[0])].id
+    assert layers.stack.linear(first, "qkv").kind == kind
+    assert layers.stack.fuses_swiglu(first) == fused
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, CFG.vocab_size, (11,), generator=g).tolist()
+    prompt = torch.randint(0, cfg.vocab_size, (11,), generator=g).tolist()
     seqs = {f: Sequence(0, "0", 0, list(prompt), SamplingParams()) for f in runners}
     for s in seqs.values():
         s.block_table = [0, 1, 2, 3]
-    dense = build_model(CFG, seed=0, dtype=dtype).float()  # unpacked, fp32, outside any runner: the reference
+    dense = build_model(cfg, seed=0, dtype=dtype).float()  # unpacked, fp32, outside any runner: the reference
     tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: its activations rounded at every op
     for n in (11, 1, 1):
         got = {fast: runner.execute([(seqs[fast], n)]).logits for fast, runner in runners.items()}

@@ -1,8 +1,9 @@
 // A CPU step's decoder layers in one call (serve/cpu_layers.py binds them once, runs them each step).
 //
 // A layer is ~15 calls: RMSNorm with the residual add, the fused q/k/v linear, rotary, the KV
-// write, paged attention, the o projection, RMSNorm, the fused gate/up linear, SwiGLU, the down
-// projection, and the slices between them. Made from Python, each pays the interpreter, pybind's
+// write, paged attention, the o projection, RMSNorm, the fused gate/up linear, SwiGLU (one call
+// with it where Baton's GEMM applies SwiGLU as it stores: gemm_swiglu), the down projection, and
+// the slices between them. Made from Python, each pays the interpreter, pybind's
 // or torch.ops' argument parsing and a tensor view or two (~55 us a layer on the 25M serving model,
 // 2 cores): at a batch-64 decode step that is a few per cent of the step, at batch 1 more. Here the
 // same kernels run in the same order on the same arguments, so the result is bit for bit the

@@ -324,10 +324,11 @@ def test_gemm_swiglu_is_the_gemm_then_swiglu_bit_for_bit(dtype, inter, k, bias):
     torch.testing.assert_close(want.float(), ref, **(BF16 if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}))
 
 
-def test_gemm_swiglu_refuses_a_weight_it_cannot_split(take):
+def test_gemm_swiglu_refuses_a_weight_it_cannot_split():
     """The gate half must be whole panels (intermediate a multiple of 64) and the weight 2 x it."""
-    take("baton", torch.float32)
     ck = gemm_kernels(torch.float32)
+    if ck is None:
+        pytest.skip("no float32 GEMM in this build (AVX-512)")
     packed = ck.gemm_pack(torch.randn(2 * 80, 16))
     with pytest.raises(RuntimeError, match="gemm_swiglu: a fused gate/up weight of 2 x 80 outputs"):
         ck.gemm_swiglu(torch.randn(2, 16), packed, None, 80)

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,19 @@ import torch
 from baton.common.config import BAMBA_FIELDS, DTYPES, ConfigError, ModelConfig
 
 log = logging.getLogger(__name__)
+
+_TRANSFORMERS = threading.Lock()
+
+
+def transformers_class(name: str) -> type:
+    """A class from transformers, resolved under one lock. Its lazy top-level module is not safe when
+    several threads resolve their first names at once (a server's first burst of chat requests got
+    ImportError "cannot import name 'AutoTokenizer'"): every name Baton takes from it comes here."""
+    with _TRANSFORMERS:
+        import transformers
+
+        return getattr(transformers, name)
+
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

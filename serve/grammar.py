@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from baton.common.hf import transformers_class
 from baton.common.tokenizer import Tokenizer
 from baton.serve.sequence import Sequence
 from baton.serve.structured import StructuredOutputs
@@ -80,18 +81,25 @@ class GrammarCache:
         self._compiled: collections.OrderedDict[tuple[str, str], xgr.CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
 
+    def prepare(self) -> None:
+        """Build the compiler now (servers call this when the model loads, so no request imports
+        xgrammar or builds its tokenizer data); a model that cannot constrain is left to say so
+        to each structured request."""
+        with self._lock:
+            if self.tokenizer is not None and self.eos_ids:
+                self._get_compiler()
+
     def _get_compiler(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the checkpoint's tokenizer; this model has none")
             if not self.eos_ids:
                 raise ValueError("structured outputs need an EOS token to end on; this model has none")
-            import transformers
-            import xgrammar as xgr  # imported with the first structured request (~0.2 s), not with the engine
+            import xgrammar as xgr  # offline: with the first structured request (~0.2 s), not with the engine
 
-            tok = self.tokenizer
-            hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.hf, eos_token=tok.eos_token)
-            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+            tok = self.tokenizer  # transformers deep-copies tokenizer_object: the engine's stays its own
+            fast = transformers_class("PreTrainedTokenizerFast")(tokenizer_object=tok.hf, eos_token=tok.eos_token)
+            info = xgr.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
 

@@ -7,6 +7,7 @@ limits, admission, metrics and the one log line per request are the same for all
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -81,6 +82,26 @@ class Call:
     cached_tokens: int = 0
     output_tokens: int = 0
     model: str = ""  # the model that generated, when not the server's name (a CoE's expert)
+
+
+@dataclass
+class Ledger:
+    """One front-end request's accounting, for fronts that run code outside Runtime.request (HTTP:
+    the gate sets one per request): the log lines its generations wrote, and the error a handler
+    turned into a response. A request that wrote none gets its one line from the front."""
+
+    logged: int = 0
+    error: BaseException | None = None
+
+
+LEDGER: contextvars.ContextVar[Ledger | None] = contextvars.ContextVar("baton_request_ledger", default=None)
+
+
+def note_error(e: BaseException) -> None:
+    """Remember the error the current request answers with (its log line names the type)."""
+    ledger = LEDGER.get()
+    if ledger is not None and ledger.error is None:
+        ledger.error = e
 
 
 def _ms(t: float | None, since: float) -> str:
@@ -225,6 +246,8 @@ class Runtime:
         call.cached_tokens, call.output_tokens = m.num_cached_prompt_tokens, m.num_generated_tokens
 
     def _finish(self, call: Call, outcome: str) -> None:
+        if (ledger := LEDGER.get()) is not None:
+            ledger.logged += 1
         self.metrics.requests.labels(call.api, outcome).inc()
         log.info(
             "request id=%s api=%s model=%s outcome=%s prompt_tokens=%d cached_tokens=%d output_tokens=%d "
@@ -242,23 +265,28 @@ class Runtime:
             call.peer,
         )
 
-    def reject(self, api: str, code: grpc.StatusCode, peer: str, why: str) -> None:
-        """Account for a call refused before any handler ran (auth, loading, draining)."""
-        self.metrics.requests.labels(api, code.name.lower()).inc()
+    def reject(self, api: str, code: grpc.StatusCode | str, peer: str, why: str, error: str | None = None) -> None:
+        """Account for a call that ended before any generation: refused at the door (auth, loading,
+        draining), or failed in the front (a bad body, an internal error: `error` names its type)."""
+        outcome = code if isinstance(code, str) else code.name.lower()
+        self.metrics.requests.labels(api, outcome).inc()
         log.info(
-            "request id=- api=%s model=%s outcome=%s peer=%s reason=%r",
+            "request id=- api=%s model=%s outcome=%s peer=%s reason=%r%s",
             api,
             self.model_name,
-            code.name.lower(),
+            outcome,
             peer,
             why,
+            f" error={error}" if error else "",
         )
 
     # ------------------------------------------------------------------------------ state
     async def attach(self, engine: AsyncLLMEngine) -> None:
         """Serve with this engine. Should its loop die, health turns NOT_SERVING at once, whether
-        or not a call is in flight (on_dead is called on the engine thread)."""
+        or not a call is in flight (on_dead is called on the engine thread). What a request would
+        otherwise build first (the structured-output compiler) is built before the state turns serving."""
         loop = asyncio.get_running_loop()
+        await asyncio.to_thread(engine.engine.grammars.prepare)
         self.async_engine = engine
         await self.set_state("serving")
         engine.on_dead = lambda reason: loop.call_soon_threadsafe(self._engine_died, reason)

@@ -141,6 +141,8 @@ class BatonServer:
             log.info("loaded %s in %.1f s", cfg.model, time.monotonic() - t0)
         q = quantization_config(cfg.model)
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
+        if self._http is not None:
+            await asyncio.to_thread(self._http.prepare)  # the chat template, before the first request
         await self.rt.attach(self._engine)
         self._log_ready()
 

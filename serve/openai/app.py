@@ -11,6 +11,8 @@ metrics and request log line. Errors are OpenAI's JSON {"error": {message, type,
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -24,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from baton.serve.async_engine import EngineDeadError, RequestFailedError
 from baton.serve.openai import responses as R
-from baton.serve.openai.chat import NoChatTemplate, render
+from baton.serve.openai.chat import NoChatTemplate, chat_template
 from baton.serve.openai.echo import prompt_logprobs
 from baton.serve.openai.gate import HttpGate, PeerContext
 from baton.serve.openai.protocol import (
@@ -39,9 +41,10 @@ from baton.serve.openai.protocol import (
 )
 from baton.serve.outputs import RequestOutput
 from baton.serve.rpc import RpcError
-from baton.serve.runtime import Runtime
+from baton.serve.runtime import Runtime, note_error
 from baton.serve.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -50,11 +53,13 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_response(e: Exception, fields: set[str] = frozenset()) -> JSONResponse:
     """The HTTP status and OpenAI error body for an exception a handler raised."""
+    note_error(e)
     param = None
     if isinstance(e, BadParam):
         status, message, param = 400, str(e), e.param
@@ -72,6 +77,7 @@ def error_response(e: Exception, fields: set[str] = frozenset()) -> JSONResponse
         param = "messages" if message.startswith("messages") else param_of(message, fields)
     else:
         status, message = 500, f"internal error: {e!r}"
+        log.error("internal error answering an HTTP request", exc_info=e)
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
@@ -138,12 +144,18 @@ class OpenAIFront:
     def __init__(self, runtime: Runtime, model_dir: str, auth_token: str | None = None):
         self.rt, self.model_dir, self.auth_token = runtime, model_dir, auth_token
 
+    def prepare(self) -> None:
+        """Load and compile the chat template now, not inside the first chat requests (several at
+        once on a fresh server raced transformers' first import)."""
+        chat_template(self.model_dir)
+
     def app(self) -> FastAPI:
         app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-        app.add_middleware(HttpGate, runtime=self.rt, token=self.auth_token)
+        app.add_middleware(HttpGate, runtime=self.rt, token=self.auth_token, routes=ROUTES)
 
         @app.exception_handler(RequestValidationError)
         async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+            note_error(exc)
             err = exc.errors()[0]
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = loc[0] if loc else None
@@ -152,6 +164,7 @@ class OpenAIFront:
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+            note_error(exc)
             status = exc.status_code
             return JSONResponse(error_body(status, str(exc.detail)), status_code=status)
 
@@ -237,7 +250,7 @@ class OpenAIFront:
             tok = self.rt.core.tokenizer
             if tok is None:
                 raise BadParam("this model has no tokenizer: chat needs one", "messages")
-            text = await asyncio.to_thread(render, self.model_dir, req.messages)
+            text = await asyncio.to_thread(chat_template(self.model_dir).render, req.messages)
             ids = tok.encode(text)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:  # OpenAI's default: what the context leaves
@@ -381,6 +394,4 @@ class OpenAIFront:
 
 
 def _error_event(e: Exception) -> dict:
-    import json
-
     return json.loads(error_response(e).body)

@@ -37,7 +37,8 @@ class HttpFront:
         tls: tuple[str, str] | None = None,
     ):
         self.host, self.tls = host, tls
-        app = OpenAIFront(runtime, model_dir, auth_token).app()
+        self.front = OpenAIFront(runtime, model_dir, auth_token)
+        app = self.front.app()
         cert, key = tls or (None, None)
         config = uvicorn.Config(
             app,
@@ -69,6 +70,10 @@ class HttpFront:
             raise ValueError(f"cannot serve HTTP on {host}:{port}: {e}") from None
         sock.set_inheritable(True)
         return sock
+
+    def prepare(self) -> None:
+        """What requests share, built once when the model loads (see OpenAIFront.prepare)."""
+        self.front.prepare()
 
     async def start(self) -> None:
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))

@@ -93,7 +93,17 @@ def error_of(payload: bytes) -> dict:
     return err
 
 
-def test_every_bad_input_is_refused_with_its_status_and_the_server_goes_on(server):
+def test_every_bad_input_is_refused_with_its_status_and_the_server_goes_on(server, caplog):
+    """... and each refusal writes exactly one request-log line, with the outcome its status means."""
+    caplog.set_level("INFO", logger="baton.serve.requests")
+    outcome = {400: "invalid_argument", 404: "not_found", 413: "resource_exhausted"}
+
+    def one_line(status: int, why) -> str:
+        lines = [r.getMessage() for r in caplog.records if "outcome=" in r.getMessage()]
+        assert len(lines) == 1 and f"outcome={outcome[status]}" in lines[0], (why, lines)
+        caplog.clear()
+        return lines[0]
+
     port = server.server.http_port
     for path, body, status, param in BAD:
         body = {"model": "tiny", **body} if "model" not in body else body
@@ -101,11 +111,14 @@ def test_every_bad_input_is_refused_with_its_status_and_the_server_goes_on(serve
         assert resp.status == status, (body, payload)
         err = error_of(payload)
         assert err["param"] == param, (body, err)
+        one_line(status, body)
     resp, payload = request(port, "POST", "/v1/completions", raw=b'{"prompt": ')  # not JSON
     assert resp.status == 400 and error_of(payload)["type"] == "invalid_request_error"
+    assert one_line(400, "not JSON").endswith("error=RequestValidationError")
     big = json.dumps({"model": "tiny", "prompt": "x" * 100_000}).encode()  # over --max-message-mb
     resp, payload = request(port, "POST", "/v1/completions", raw=big)
     assert resp.status == 413 and error_of(payload)["code"] == "request_too_large"
+    one_line(413, "too large")
     resp, payload = request(port, "GET", "/v1/nothing-here")
     assert resp.status == 404 and error_of(payload)
     resp, _ = request(port, "POST", "/v1/completions", {"model": "tiny", "prompt": "ok", "max_tokens": 3})
@@ -291,3 +304,16 @@ def test_sse_framing_byte_for_byte(server, model_dir):
     first = json.loads(payload.split(b"\n\n", 1)[0].removeprefix(b"data: "))
     assert first["id"].startswith("cmpl-")
     assert payload == _expected_sse(model_dir, body["prompt"], 6, first["id"], first["created"])
+
+
+def test_a_chat_template_that_refuses_the_messages_is_bad_input(llama_dir, tmp_path):
+    """A template's raise_exception (e.g. "roles must alternate") is the client's error (HTTP 400 on
+    the server, as every ValueError naming messages), not an internal one."""
+    refusing = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system role here') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
+    llm = LLM(with_chat_template(llama_dir, tmp_path / "ckpt", refusing), EngineConfig(num_kv_blocks=16, block_size=8))
+    with pytest.raises(ValueError, match="^messages: the checkpoint's chat template refused them: no system role here"):
+        llm.chat([{"role": "system", "content": "x"}])
+    assert llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2))[0].outputs[0].token_ids

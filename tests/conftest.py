@@ -15,3 +15,24 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads spinning at barriers stall each other by 10x and more (benchmarks/serve_threads.py):
 # sleep instead. Speed only - no result depends on it; tests/serve/test_openmp.py clears it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+
+from .system import MARKER, require, summary
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", f"{MARKER}(*names): needs these system packages (tests/system.py)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """@needs(...) (tests/system.py) is checked before the test's fixtures: none is built for nothing."""
+    for mark in item.iter_markers(MARKER):
+        require(*mark.args)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """What a user could install to run the tests skipped for missing system packages."""
+    for line in summary(terminalreporter.stats.get("skipped", [])):
+        terminalreporter.write_line(line)

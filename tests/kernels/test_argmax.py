@@ -9,7 +9,10 @@ import torch
 from baton.kernels import argmax
 from baton.kernels.cpu_extension import cpu_kernels
 
+from ..system import needs
 
+
+@needs("c++")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 63, 1000, 8192])
 def test_first_max_equals_torch_max_on_finite_rows(dtype, n):
@@ -31,6 +34,7 @@ def test_first_max_equals_torch_max_on_finite_rows(dtype, n):
     assert argmax.first_max(strided)[1].tolist() == strided.max(-1)[1].tolist()
 
 
+@needs("c++")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_with_nan_inf_or_only_minus_inf_has_no_finite_maximum(dtype):
     assert cpu_kernels() is not None

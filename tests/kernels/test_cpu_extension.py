@@ -1,6 +1,7 @@
 """The C++ CPU kernels' build: a lock left by a killed build is cleared at once while a live
 builder is waited for, and a machine without a working compiler falls back to the torch path with
-one warning (in a subprocess: the build is cached per process, and here it must fail)."""
+one warning (in a subprocess: the build is cached per process, and here it must fail). The tests
+of the kernels themselves need a C++ compiler ("c++" in tests/system.py)."""
 
 import os
 import subprocess
@@ -9,6 +10,8 @@ import textwrap
 
 import pytest
 import torch
+
+from ..system import needs
 
 
 def test_a_dead_builders_lock_is_cleared_and_a_failed_build_falls_back_to_torch_path(tmp_path):
@@ -67,6 +70,7 @@ def test_a_live_builder_is_waited_for_and_its_lock_kept(tmp_path):
     assert out.strip() == "None" and "could not build" in log.read_text()
 
 
+@needs("c++")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 37])
 def test_fused_elementwise_ops_match_the_torch_references(dtype, tokens):
@@ -104,6 +108,7 @@ def test_fused_elementwise_ops_match_the_torch_references(dtype, tokens):
     assert loaded_cpu_kernels(x.requires_grad_()) is None  # no backward: autograd takes the torch path
 
 
+@needs("c++")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 1408), (37, 100), (2, 5, 96)])
 def test_swiglu_matches_the_torch_reference_on_the_fused_projection_halves(dtype, shape):

@@ -18,6 +18,8 @@ from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
+from ..system import require
+
 needs_bf16 = pytest.mark.skipif(not linear_cpu.prepacked_available(), reason="neither oneDNN bf16 nor MKL here")
 needs_mkl = pytest.mark.skipif(not linear_cpu.prepacked_available(torch.float32), reason="torch without MKL")
 PACKABLE = [pytest.param(torch.bfloat16, marks=needs_bf16), pytest.param(torch.float32, marks=needs_mkl)]
@@ -35,7 +37,10 @@ CFG = ModelConfig(
 
 
 def gemm_kernels(dtype: torch.dtype):
-    """The C++ kernels if this machine's build has Baton's GEMM for `dtype`, else None."""
+    """The C++ kernels if this machine's build has Baton's GEMM for `dtype`, else None (a CPU without
+    its features). The build needs a C++ compiler, required here (tests/system.py) so that a missing
+    one is not taken for the CPU's features."""
+    require("c++")
     ck = cpu_kernels()
     return ck if ck is not None and ck.gemm_available(dtype) else None
 

@@ -1,5 +1,6 @@
 """Paged decode (split-K + reduce, FlashDecoding++ unified max with its fallback) and the KV-cache
-write: Triton kernels under the interpreter and the CPU dispatch path against the references."""
+write: Triton kernels under the interpreter and the CPU dispatch path against the references. The
+C++ kernel's tests need a C++ compiler (`CPP`: "c++" in tests/system.py)."""
 
 from pathlib import Path
 
@@ -11,9 +12,12 @@ from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.kv_cache import reshape_and_cache
 from baton.kernels.paged_attention import paged_attention_decode, plan_splits
 
+from ..system import needs
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 # very different lengths in one batch, incl. an empty slot and lengths off the 16/32/64 tile grid
 LENS = [0, 1, 17, 100, 250]
+CPP = needs("c++")  # the tests of the C++ kernel (kernels/cpu_extension.py builds it)
 
 
 def _decode_case(dtype, lens, heads=(8, 2), head_dim=32, block_size=16, spare_blocks=3):
@@ -50,6 +54,7 @@ def test_decode_small_pages_scale_and_max_context_len(dtype):
     torch.testing.assert_close(cpu, want, **TOL[dtype])
 
 
+@CPP
 def test_cpu_kernels_build_and_dispatch_uses_them():
     """CI machines have a C++ compiler (DeepSpeed's CPU Adam needs one too): the build must work,
     and the dispatcher must pick the C++ kernel for float32 and bfloat16 CPU tensors, the torch path otherwise."""
@@ -66,6 +71,7 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[-1].split())
 
 
+@CPP
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
 def test_cpu_kernel_compiles_the_widest_vector_path():
     """The build (-march=native) picks AVX-512 where the CPU has it, else AVX2+FMA, else the portable
@@ -75,7 +81,7 @@ def test_cpu_kernel_compiles_the_widest_vector_path():
     assert cpu_kernels().paged_decode_simd() == want
 
 
-@pytest.mark.parametrize("impl", ["cpu", "torch"])
+@pytest.mark.parametrize("impl", [pytest.param("cpu", marks=CPP), "torch"])
 @pytest.mark.parametrize("window", [None, 50, 1])
 @pytest.mark.parametrize(
     "heads,head_dim,block_size",
@@ -96,6 +102,7 @@ def test_decode_cpu_paths(impl, heads, head_dim, block_size, window):
     assert (got[0] == 0).all()  # the empty slot attends to nothing
 
 
+@CPP
 @pytest.mark.parametrize("window", [None, 50])
 @pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((8, 1), 128), ((4, 2), 32), ((6, 3), 48)])
 def test_decode_cpu_kernel_bfloat16(heads, head_dim, window):
@@ -113,6 +120,7 @@ def test_decode_cpu_kernel_bfloat16(heads, head_dim, window):
     assert (got[0] == 0).all()
 
 
+@CPP
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
 def test_decode_cpu_tail_mask(heads):
     """Rows that see only some of their last T tokens (a speculative tree's nodes: the cached prefix
@@ -133,6 +141,7 @@ def test_decode_cpu_tail_mask(heads):
         pa.paged_attention_decode_cpu(q, k_cache, v_cache, tables, ctx, sliding_window=8, tail_mask=tail)
 
 
+@CPP
 def test_decode_cpu_kernel_refuses_bad_block_tables():
     """An entry outside the pool or a table too short for its length is an error, not a wild read."""
     q, k_cache, v_cache, tables, lens = _decode_case(torch.float32, [20, 40])
@@ -151,6 +160,7 @@ def test_decode_cpu_kernel_refuses_bad_block_tables():
     torch.testing.assert_close(ok[0], ref.paged_attention_decode_ref(q, k_cache, v_cache, tables, lens)[0])
 
 
+@CPP
 @pytest.mark.parametrize("lens", [[2000] + [7] * 9, [2000, 7]])  # whole sequences / kv heads as work items
 def test_decode_cpu_kernel_splits_work_across_threads(lens):
     """One very long row among short ones, on 1 and 2 threads: same result as the reference."""
@@ -215,7 +225,7 @@ def _cache_case(dtype, num_tokens=9, heads=3, head_dim=24, num_blocks=5, block_s
     return k, v, *pools, slots
 
 
-@pytest.mark.parametrize("impl", ["triton", "dispatch", "cpu"])
+@pytest.mark.parametrize("impl", ["triton", "dispatch", pytest.param("cpu", marks=CPP)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reshape_and_cache(dtype, impl):
     """Written slots hold the tokens, every other slot is still NaN (nothing else was touched);

@@ -17,6 +17,8 @@ from baton.serve.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
+from ..system import require
+
 CFG = ModelConfig(  # head_dim 32: the C++ decode kernel's vector path
     vocab_size=128,
     hidden_size=128,
@@ -140,6 +142,7 @@ def test_every_kind_of_linear_takes_the_path_too(linears, monkeypatch, linear_ch
         linear_choice("BATON_CPU_BF16_LINEAR", "onednn")  # not Baton's GEMM, and oneDNN's bf16 missing:
         monkeypatch.setattr(linear_cpu, "_bf16_path", lambda: "mkl-fp32")
     elif kind == "baton":
+        require("c++")
         if cpu_kernels() is None or not cpu_kernels().gemm_available(dtype):
             pytest.skip(f"no {dtype} GEMM in this build (AVX-512 / AVX-512 BF16)")
         linear_choice(f"BATON_CPU_{'BF16' if bf16 else 'FP32'}_LINEAR", "baton")

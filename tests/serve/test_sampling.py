@@ -14,6 +14,7 @@ from baton.serve.sampler import apply_penalties, sample, target_distribution, ta
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.sequence import Sequence
 
+from ..system import require
 from .conftest import BASE, make_hf_checkpoint
 
 
@@ -294,6 +295,7 @@ def test_plain_greedy_rows_take_the_first_maximum_of_the_cleaned_logits(dtype, p
     if path == "torch":
         monkeypatch.setattr(argmax, "loaded_cpu_kernels", lambda *t: None)
     else:
+        require("c++")
         assert cpu_kernels() is not None
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(8, 64, generator=g) * 3).to(dtype)

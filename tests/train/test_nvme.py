@@ -3,13 +3,15 @@ as CPU offload, a SIGKILLed run resumes exactly, and a checkpoint resumes at ano
 DeepSpeed's own files lack the swapped state and its load_checkpoint skips the optimizer state
 under NVMe offload; Baton writes and restores that state itself (backends/deepspeed.py).
 
-These run everywhere, CI included: they build DeepSpeed's async_io op first (conftest.async_io_op,
-once per machine; it needs libaio, which .ci/run installs) and fail, never skip, where it cannot be.
+They build DeepSpeed's async_io op first (conftest.async_io_op, once per machine), which needs libaio
+and a C++ compiler: skipped without them, naming the apt line, and failed instead in CI, which
+installs them (tests/system.py). Where both are there, a build that fails fails the tests.
 """
 
 import pytest
 import torch
 
+from ..system import needs
 from .conftest import (
     CKPT_STEP,
     MODES,
@@ -26,7 +28,12 @@ from .conftest import (
 
 # The first test's set-up may include the op's one-time build (about 4 minutes on 2 idle cores) and
 # the world-size-2 reference runs: more than the suite's per-test limit.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400), pytest.mark.usefixtures("nvme_modes")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(2400),
+    needs("libaio", "c++"),  # checked before the fixtures: no build is tried without them
+    pytest.mark.usefixtures("nvme_modes"),
+]
 
 
 @pytest.fixture(scope="module")

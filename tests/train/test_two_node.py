@@ -10,12 +10,12 @@ the same recipe (fp32, 1e-5 relative).
   (ZeRO-2: srun starts the ranks, no pdsh or ssh). Under SLURM gloo finds the veth by the host
   name alone (no GLOO_SOCKET_IFNAME), as on a cluster whose node names resolve.
 
-Skipped, saying why, where namespaces cannot be made (no root, no iproute2) or SLURM is absent."""
+Needs "netns" and, for SLURM, "slurm" (tests/system.py): skipped where they are missing, naming
+the apt line, and failed instead in CI."""
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from ..netns import Node, two_nodes
+from ..system import require
 from .conftest import kill_tree, losses, train_args
 from .parallel.test_slurm import DONE, submit, wait_for
 from .parallel.test_slurm import _env as clean_env
@@ -98,13 +99,7 @@ def test_torchrun_c10d_rendezvous_across_two_nodes(nodes, recipe, single, tmp_pa
 @pytest.fixture(scope="module")
 def cluster(nodes, tmp_path_factory):
     """slurmctld + slurmd on node0, slurmd on node1 (munged shared); clients run on node0."""
-    if not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch")):
-        pytest.skip(
-            "slurmctld/slurmd/munged/sbatch not installed: CI installs them with apt-get install -y "
-            "--no-install-recommends slurmctld slurmd slurm-client munge"
-        )
-    if shutil.which("nsenter") is None:  # launchers/slurm/in_node.sh enters each node's namespace with it
-        pytest.skip("util-linux's nsenter is needed to start a slurmd inside each node's network namespace")
+    require("slurm")  # ("netns", which `nodes` required, has nsenter: in_node.sh enters each node with it)
     state = tmp_path_factory.mktemp("slurm2")
     env = clean_env(CLUSTER_NODES=" ".join(f"{n.hostname}={n.addr}@{n.netns}" for n in nodes))
     script = str(LAUNCHERS / "slurm" / "local_cluster.sh")

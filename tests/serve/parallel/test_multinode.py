@@ -5,7 +5,8 @@ inside that namespace gets greedy tokens equal to the single-process offline eng
 the driver drains it and stops the worker in the other namespace; both torchruns exit 0. The
 namespaces are deleted after.
 
-Needs root and iproute2 (`ip netns`); skipped, saying so, where namespaces cannot be made."""
+Needs root and iproute2 (`ip netns`): "netns" in tests/system.py, skipped where namespaces cannot
+be made (failed instead in CI)."""
 
 from __future__ import annotations
 

@@ -3,14 +3,13 @@ launchers/train.sbatch for a tiny 2-rank job and launchers/serve.sbatch for its 
 sbatch scripts' commands are also checked in dry-run mode. Two nodes (train.sbatch and
 deepspeed.sbatch over two network namespaces) are tests/train/test_two_node.py.
 
-Needs Debian's slurm-wlm daemons and munge (CI: apt-get install -y --no-install-recommends
-slurmctld slurmd slurm-client munge) and root; skipped, saying so, where they are absent."""
+Needs Debian's slurm-wlm daemons and munge, and root ("slurm" in tests/system.py, which names the
+apt line): skipped where they are absent, failed instead in CI."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -19,13 +18,13 @@ import pytest
 
 from baton.train.distributed import free_port
 
+from ...system import needs, require
+
 ROOT = Path(__file__).resolve().parents[3]
 LAUNCHERS = ROOT / "launchers"
 pytestmark = pytest.mark.slow
 
-needs_scontrol = pytest.mark.skipif(
-    shutil.which("scontrol") is None, reason="scontrol not installed (apt-get install slurm-client)"
-)
+needs_scontrol = needs("slurm-client")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -39,13 +38,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    if shutil.which("slurmctld") is None or shutil.which("slurmd") is None or shutil.which("munged") is None:
-        pytest.skip(
-            "slurmctld/slurmd/munged not installed: CI installs them with apt-get install -y "
-            "--no-install-recommends slurmctld slurmd slurm-client munge"
-        )
-    if os.geteuid() != 0:
-        pytest.skip("a local SLURM cluster needs root (slurmd starts jobs as their users)")
+    require("slurm")  # the daemons and root (slurmd starts jobs as their users)
     state = tmp_path_factory.mktemp("slurm")
     env = _env(SLURMCTLD_PORT=str(free_port()), SLURMD_PORT=str(free_port()))
     script = str(LAUNCHERS / "slurm" / "local_cluster.sh")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from baton.common.config import ModelConfig
-from baton.common.hf import config_from_hf, config_to_hf
+from baton.common.hf_config import config_from_hf, config_to_hf
 from baton.common.model import CausalLM
 from safetensors import safe_open
 from safetensors.torch import save_file

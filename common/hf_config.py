@@ -1,0 +1,153 @@
+"""Hugging Face config.json <-> Baton's ModelConfig, for every family Baton reads.
+
+HF spells the same model differently across families and versions (transformers 5 folds
+rope_theta/rope_scaling into rope_parameters); the translation lives here, below both its users:
+common/checkpoint.py (a checkpoint's config.json is HF's) and common/hf.py (import/export of
+whole HF directories, which re-exports these names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from baton.common.config import BAMBA_FIELDS, DTYPES, ConfigError, ModelConfig
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "bamba": "BambaForCausalLM",
+}
+
+
+def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = d.get("rope_parameters")
+    if isinstance(params, dict):  # transformers >= 5
+        theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = d.get("rope_theta", 10000.0)
+        scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def config_from_hf(d: dict[str, Any]) -> ModelConfig:
+    """A Baton config from an HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Bamba)."""
+    model_type = d.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ConfigError(f"unsupported model_type {model_type!r}: Baton reads {', '.join(ARCHITECTURES)}")
+    if d.get("mlp_bias"):
+        raise ConfigError("mlp_bias=true is not supported (Baton's SwiGLU MLP has no biases)")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (Baton uses SwiGLU with silu)")
+    theta, scaling = _rope_from_hf(d)
+    dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r} in config.json")
+    sliding, layer_types = None, None
+    if model_type in ("mistral", "mixtral"):
+        sliding = d.get("sliding_window")
+    elif model_type == "qwen2" and d.get("use_sliding_window"):
+        sliding = d.get("sliding_window")
+        layer_types = d.get("layer_types") or [
+            "sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention"
+            for i in range(d["num_hidden_layers"])
+        ]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=d["vocab_size"],
+        hidden_size=d["hidden_size"],
+        intermediate_size=d["intermediate_size"],
+        num_hidden_layers=d["num_hidden_layers"],
+        num_attention_heads=d["num_attention_heads"],
+        num_key_value_heads=d.get("num_key_value_heads"),
+        head_dim=d.get("head_dim"),
+        max_position_embeddings=d.get("max_position_embeddings", 2048),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        sliding_window=sliding,
+        layer_types=layer_types,
+        attention_bias=bool(d.get("attention_bias", False)) if model_type in ("llama", "bamba") else False,
+        qkv_bias=model_type == "qwen2",
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        num_local_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+        num_experts_per_tok=d.get("num_experts_per_tok", 2),
+        initializer_range=d.get("initializer_range", 0.02),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_id=d.get("eos_token_id"),
+        pad_token_id=d.get("pad_token_id"),
+        torch_dtype=dtype,
+        model_type=model_type,
+        early_exit_layers=d.get("early_exit_layers"),
+    )
+    if model_type == "bamba":
+        kwargs.update(_bamba_from_hf(d))
+    return ModelConfig(**kwargs)
+
+
+def _bamba_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    rope = d.get("rope_parameters") or {}
+    if rope.get("partial_rotary_factor", 0.5) != 0.5:
+        raise ConfigError("bamba rotates half of each head (partial_rotary_factor 0.5); got a different factor")
+    out = {k: d[k] for k in BAMBA_FIELDS if k in d and d[k] is not None}
+    if out.get("mamba_d_head") == "auto":
+        out.pop("mamba_d_head")
+    if "time_step_limit" in out:  # transformers 5 writes inf as {"__float__": "Infinity"}
+        out["time_step_limit"] = [float(v["__float__"]) if isinstance(v, dict) else v for v in out["time_step_limit"]]
+    return out
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """An HF config.json dict that transformers 4.x and 5.x both read as the same model."""
+    rope_parameters = {"rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {"rope_type": "default"})}
+    d: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[cfg.model_type]],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act,
+        "initializer_range": cfg.initializer_range,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+        "dtype": cfg.torch_dtype,
+        "rope_parameters": rope_parameters,
+        "use_cache": True,
+    }
+    if cfg.early_exit_layers is not None:  # Baton's LayerSkip exits; transformers keeps it as an attribute
+        d["early_exit_layers"] = list(cfg.early_exit_layers)
+    if cfg.model_type == "llama":
+        d.update(attention_bias=cfg.attention_bias, mlp_bias=False)
+    elif cfg.model_type in ("mistral", "mixtral"):
+        d["sliding_window"] = cfg.sliding_window
+    if cfg.model_type == "bamba":
+        d.update({k: getattr(cfg, k) for k in BAMBA_FIELDS}, attention_bias=cfg.attention_bias, mlp_bias=False)
+        d["attn_layer_indices"] = d["attn_layer_indices"] or []
+        d["rope_parameters"] = {**rope_parameters, "partial_rotary_factor": 0.5}
+    if cfg.model_type == "mixtral":
+        d.update(num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
+    if cfg.model_type == "qwen2":
+        layer_types = (
+            cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_hidden_layers
+        )
+        first_sliding = next((i for i, t in enumerate(layer_types) if t == "sliding_attention"), cfg.num_hidden_layers)
+        d.update(
+            use_sliding_window=cfg.sliding_window is not None,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=first_sliding,
+            layer_types=layer_types,
+        )
+    return d

@@ -68,7 +68,7 @@ def load_baton(job: dict):
     from baton.serve.engine import EngineConfig
     from baton.serve.llm import LLM
     from baton.serve.sampling_params import SamplingParams
-    from baton.serve.scheduler import SchedulerConfig
+    from baton.serve.scheduling.scheduler import SchedulerConfig
 
     config = EngineConfig(
         kv_cache_bytes=KV_GIB * 2**30, enable_prefix_caching=False, scheduler=SchedulerConfig(**LIMITS)

@@ -19,10 +19,9 @@ import math
 from pathlib import Path
 
 import torch
-
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig
 
 THRESHOLDS = (0.95, 0.8, 0.6)

@@ -39,14 +39,12 @@ from pathlib import Path
 os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")  # before CUDA starts, here and in every spawned worker
 
 import torch  # noqa: E402
-
 from baton.common.checkpoint import save_model  # noqa: E402
 from baton.common.config import ModelConfig  # noqa: E402
 from baton.common.model import build_model  # noqa: E402
 from baton.serve import LLM, SamplingParams  # noqa: E402
 from baton.serve.engine import EngineConfig  # noqa: E402
-from baton.serve.scheduler import SchedulerConfig  # noqa: E402
-
+from baton.serve.scheduling.scheduler import SchedulerConfig  # noqa: E402
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the engine benchmark's (script dir is on sys.path)
 
 TIE = 1e-4  # log-probability gap under which two kernels may pick either token

@@ -4,7 +4,7 @@
 For each context length one request's prompt is prefilled (chunked, 512 tokens a step), then
 LLMEngine.step() is timed while it decodes alone (best of --rounds, each of --steps steps): the
 paged KV pool for the attention layers (the engine's decode kernels) and, for the hybrid, its
-recurrent-state slot (serve/state_pool.py), updated in place. The mixers' share of each step is
+recurrent-state slot (serve/runner/state_pool.py), updated in place. The mixers' share of each step is
 timed apart (PagedHybridAttention.mix wrapped with the same clock): it should not grow with the
 context. Memory: the KV bytes the sequence's blocks hold, and the state slot's bytes.
 
@@ -20,14 +20,13 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.model_runner import kv_block_bytes
+from baton.serve.engine.sizing import state_slot_bytes
+from baton.serve.runner.model_runner import kv_block_bytes
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.state_pool import state_slot_bytes
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 COMMON = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 8,

@@ -21,14 +21,13 @@ import statistics
 import time
 from pathlib import Path
 
-from speculative import RESULTS, SHAKESPEARE, prompt_sets  # the script dir is on sys.path
-
 from baton.serve import LLM
 from baton.serve.engine import EngineConfig
 from baton.serve.parallel import executor
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
+from speculative import RESULTS, SHAKESPEARE, prompt_sets  # the script dir is on sys.path
 
 TARGET = RESULTS / "spec-models" / "quick" / "layerskip" / "handoff"
 REUSE = executor.DistributedRunner.can_enter_late

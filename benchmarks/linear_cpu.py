@@ -31,9 +31,9 @@ from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import pack_weight, packed_linear
-from baton.serve.model_runner import ModelRunner
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.paged_attention import paged_attention_decode_cpu, paged_attention_decode_torch
 from baton.kernels.reference import paged_attention_decode_ref
-from baton.serve.model_runner import keep_freed_memory
+from baton.serve.runner.model_runner import keep_freed_memory
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK = 16

@@ -1,5 +1,5 @@
 """CPU prefill attention of one serving step: torch SDPA chunk by chunk (the path before cda65b1) against
-the C++ paged-decode kernel over every chunk token as a decode row (serve/attention.py's
+the C++ paged-decode kernel over every chunk token as a decode row (serve/runner/attention.py's
 `rows_over_cache`: once a chunk's K/V are in the pools, its token i is a decode row over prefix + i + 1
 cached tokens), on the serving benchmark's step: 2,048 prompt tokens of 16-160-token prompts
 (serve_vs_vllm's mix), or the same chunks continuing 0-512-token cached prefixes (chunked prefill).
@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.kernels import reshape_and_cache
 from baton.kernels.flash_attention import flash_attn_with_paged_prefix_torch
 from baton.kernels.paged_attention import paged_attention_decode_cpu
 from baton.kernels.reference import flash_attn_with_paged_prefix_ref
-from baton.serve.attention import AttentionMetadata
+from baton.serve.runner.attention import AttentionMetadata
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BLOCK, DIM, TOKENS = 16, 64, 2048

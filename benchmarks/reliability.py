@@ -21,16 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
+from baton.serve.core.faults import InjectedFault
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.faults import InjectedFault
 from baton.serve.sampler import finite_logits, sample
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
-
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the same model as the engine benchmark (script dir is on sys.path)
 
 MIXED = [

@@ -34,14 +34,13 @@ if "--baton-src" in sys.argv:  # another checkout's baton, installed before anyt
     install_baton_source(sys.argv[sys.argv.index("--baton-src") + 1])
 
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.hf import export_hf
 from baton.common.model import build_model
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = dict(
@@ -183,9 +182,8 @@ def step_phases(dtype: str, batches=(1, 16, 64), steps: int = 30) -> dict:
     import collections
     import functools
 
-    import serve_vs_vllm  # (this folder) its 25M checkpoint and limits
-
     import baton.serve.engine as engine_module
+    import serve_vs_vllm  # (this folder) its 25M checkpoint and limits
 
     ckpt = serve_vs_vllm.write_checkpoint(Path(tempfile.gettempdir()) / "baton-step-phases", "25M", dtype)
     sched = SchedulerConfig(**serve_vs_vllm.LIMITS)

@@ -34,8 +34,7 @@ from baton.serve.client import AsyncBatonClient
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the same model as the engine benchmark (script dir is on sys.path)
 
 KV_MB, MAX_SEQS = 256, 64

@@ -35,19 +35,17 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels.linear_cpu import GEMM_PROFILER_NAME, PROFILER_NAME
 from baton.serve import LLM, SamplingParams
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig
-from baton.serve.model_runner import kv_block_bytes
 from baton.serve.parallel.loader import weight_bytes
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.sequence import Sequence
-from baton.serve.step_plan import StepPlan, TableSender, plan_chunks
-
+from baton.serve.runner.model_runner import kv_block_bytes
+from baton.serve.runner.step_plan import StepPlan, TableSender, plan_chunks
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from serve_engine import MODEL, RESULTS, pct, run_engine, workload  # the engine benchmark's (script dir is on sys.path)
 
 MODEL_110M = {
@@ -246,7 +244,7 @@ def code_state() -> dict:
             return ""
         return run.stdout.strip() if run.returncode == 0 else ""
 
-    dirty = git("status", "--porcelain", "--", "serve/parallel", "serve/step_plan.py", "serve/engine.py")
+    dirty = git("status", "--porcelain", "--", "serve/parallel", "serve/runner/step_plan.py", "serve/engine/engine.py")
     commit = git("rev-parse", "--short", "HEAD")
     if not commit and (root / "COMMIT").exists():  # a `git archive` snapshot that names its commit
         commit = (root / "COMMIT").read_text().strip()

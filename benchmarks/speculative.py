@@ -40,11 +40,10 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.common.tokenizer import Tokenizer
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -23,18 +23,16 @@ import time
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.common.tokenizer import train_bpe
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.structured import StructuredOutputs
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.grammar import GrammarCache
 from baton.serve.sampler import sample
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
-from baton.serve.structured import StructuredOutputs
-
 from serve_engine import MODEL, RESULTS  # noqa: E402 - the engine benchmark's model (script dir is on sys.path)
 
 SHAKESPEARE = (

@@ -16,8 +16,8 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
+from baton.serve.core.faults import EngineFault
 from baton.serve.engine import LLMEngine
-from baton.serve.faults import EngineFault
 from baton.serve.outputs import RequestOutput
 from baton.serve.sampling_params import SamplingParams
 

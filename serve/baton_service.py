@@ -10,14 +10,13 @@ from contextlib import aclosing
 from typing import AsyncIterator
 
 import grpc
-from google.protobuf.message import Message
-
 from baton.serve import proto
+from baton.serve.core.stats import EngineStats
 from baton.serve.outputs import RequestOutput
 from baton.serve.request_params import from_proto
 from baton.serve.rpc import RpcError, invalid, parse, service_handler
 from baton.serve.runtime import VERSION, Runtime
-from baton.serve.stats import EngineStats
+from google.protobuf.message import Message
 
 GenerateRequest, GenerateResponse = proto.baton("GenerateRequest"), proto.baton("GenerateResponse")
 

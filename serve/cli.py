@@ -43,7 +43,7 @@ def engine_config(args: argparse.Namespace):
 
     logging.getLogger(__name__).info(openmp.configure(getattr(args, "omp_wait_policy", None)))
     from baton.serve.engine import EngineConfig
-    from baton.serve.scheduler import SchedulerConfig
+    from baton.serve.scheduling.scheduler import SchedulerConfig
     from baton.serve.speculative import SpeculativeConfig
 
     spec = None
@@ -65,17 +65,15 @@ def engine_config(args: argparse.Namespace):
     )
     config.validate()  # the scheduler's and speculative settings too
     if spec is not None and getattr(args, "model", None):
-        from baton.serve.speculative.config import check_checkpoint
+        from baton.serve.speculative.registry import check_checkpoint
 
         check_checkpoint(spec, args.model)  # heads, a draft, a depth to draft from: refused now, not after binding
-    if config.early_exit_threshold is not None and getattr(args, "model", None):
+    if getattr(args, "model", None):  # what combines with what, model included: before any port binds
         from baton.common.checkpoint import read_config
-        from baton.serve.early_exit import check_early_exit
+        from baton.serve.engine.rules import check as check_rules
 
-        if (Path(args.model) / "config.json").is_file():
-            sharded = config.parallel.world_size > 1
-            model = read_config(args.model)
-            check_early_exit(config, model, sharded)
+        has_config = (Path(args.model) / "config.json").is_file()
+        check_rules(config, read_config(args.model) if has_config else None)
     return config
 
 
@@ -156,7 +154,7 @@ def _engine_flags(p: argparse.ArgumentParser, full: bool) -> None:
     if full:  # only when this command runs: deriving them imports the engine (torch)
         from baton.common.flags import add_dataclass_flags
         from baton.serve.engine import EngineConfig
-        from baton.serve.scheduler import SchedulerConfig
+        from baton.serve.scheduling.scheduler import SchedulerConfig
         from baton.serve.speculative import SpeculativeConfig
 
         add_dataclass_flags(p, EngineConfig, skip=("kv_cache_bytes",), group="engine (EngineConfig)")
@@ -252,9 +250,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _query(args: argparse.Namespace) -> int:
     import grpc
-    from google.protobuf.json_format import MessageToDict
-
     from baton.serve.client import BatonClient
+    from google.protobuf.json_format import MessageToDict
 
     with BatonClient(args.target, token=_token(args.auth_token_file), ca_file=args.ca, timeout=args.timeout) as c:
         try:

@@ -17,13 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from baton.common.data import DataConfig, build_datasets
 from baton.common.tokenizer import Tokenizer
 from baton.serve.engine import EngineConfig
 from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 

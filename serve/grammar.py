@@ -1,6 +1,6 @@
 """Structured outputs enforced during sampling, with xgrammar (a pushdown automaton over the vocabulary).
 
-A request's StructuredOutputs (serve/structured.py) is compiled once per distinct spec against the
+A request's StructuredOutputs (serve/core/structured.py) is compiled once per distinct spec against the
 checkpoint's tokenizer (GrammarCache; an invalid schema/regex/grammar is a ValueError at admission,
 before anything is scheduled). Each sequence owns a SequenceGrammar (an xgrammar GrammarMatcher;
 n > 1 samples fork it). Every step the sampler masks a constrained row's logits with the matcher's
@@ -24,11 +24,10 @@ import threading
 from typing import TYPE_CHECKING
 
 import torch
-
 from baton.common.hf import transformers_class
 from baton.common.tokenizer import Tokenizer
-from baton.serve.sequence import Sequence
-from baton.serve.structured import StructuredOutputs
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.structured import SequenceGrammar, StructuredOutputs
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -49,26 +48,6 @@ def json_schema_ebnf(schema: str | dict, strict_mode: bool = True) -> str:
 
     text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode))
     return _STRING_CHARS.sub(lambda _: _STRING_CHARS_FIXED, text)
-
-
-class SequenceGrammar:
-    """One sequence's matcher: where it stands in the grammar after the tokens it has output."""
-
-    def __init__(self, matcher: xgr.GrammarMatcher):
-        self.matcher = matcher
-
-    def fork(self) -> SequenceGrammar:
-        return SequenceGrammar(self.matcher.fork())
-
-    def accept(self, token: int) -> None:
-        """Advance past a sampled token; the mask made any other outcome impossible, so a refusal
-        is a bug that fails this request only."""
-        if not self.matcher.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
-
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
 
 
 class GrammarCache:

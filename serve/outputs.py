@@ -45,4 +45,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    error: str | None = None  # set (with finished) when the engine failed this request; see serve/engine.py
+    error: str | None = None  # set (with finished) when the engine failed this request; see serve/engine/engine.py

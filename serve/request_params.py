@@ -12,11 +12,10 @@ import dataclasses
 import json
 import typing
 
-from google.protobuf.message import Message
-
+from baton.serve.core.structured import StructuredOutputs
 from baton.serve.rpc import invalid
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.structured import StructuredOutputs
+from google.protobuf.message import Message
 
 _HINTS = typing.get_type_hints(SamplingParams)
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}

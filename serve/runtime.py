@@ -19,17 +19,16 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2
-
 from baton.serve import proto
 from baton.serve.admission import Admission
 from baton.serve.async_engine import AsyncLLMEngine, EngineDeadError
+from baton.serve.core.stats import EngineStats
 from baton.serve.engine import LLMEngine
 from baton.serve.metrics import ServerMetrics
 from baton.serve.outputs import RequestOutput
 from baton.serve.rpc import RpcError, invalid, status_of
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.stats import EngineStats
+from grpc_health.v1 import health, health_pb2
 
 log = logging.getLogger("baton.serve.requests")
 

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-
 from baton.kernels.argmax import first_max
+from baton.serve.core.sequence import Sequence
 from baton.serve.grammar import mask_logits
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 log = logging.getLogger(__name__)
 _F32_MAX = torch.finfo(torch.float32).max

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from baton.serve.structured import StructuredOutputs
+from baton.serve.core.structured import StructuredOutputs
 
 SAMPLING_EPS = 1e-5  # temperatures below this run as greedy (vLLM's _SAMPLING_EPS)
 _INT32_MAX = 2**31 - 1  # the proto's int32 fields; nothing sane is larger
@@ -47,7 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always included)
     skip_special_tokens: bool = True
-    structured: StructuredOutputs | None = None  # constrain the output (serve/structured.py)
+    structured: StructuredOutputs | None = None  # constrain the output (serve/core/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

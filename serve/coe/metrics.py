@@ -8,15 +8,15 @@ The engine gauges (baton_running_batch_size, ...) are the experts' sums.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
 
+from baton.serve.core.stats import EngineStats
+from baton.serve.metrics import LATENCY_BUCKETS
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from baton.serve.metrics import LATENCY_BUCKETS
-
-if TYPE_CHECKING:
-    from baton.serve.coe.runtime import CoERuntime
+# (expert name, ready, its engine's stats or None while not loaded), read at scrape time
+ExpertLoads = Callable[[], Iterable[tuple[str, bool, EngineStats | None]]]
 
 CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
 
@@ -24,8 +24,8 @@ CONFIDENCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1
 class ExpertLoadCollector:
     """Scrape-time gauges per expert (labelled `expert`)."""
 
-    def __init__(self, coe: CoERuntime):
-        self.coe = coe
+    def __init__(self, loads: ExpertLoads):
+        self.loads = loads
 
     def collect(self):
         gauges = {
@@ -36,9 +36,8 @@ class ExpertLoadCollector:
             "baton_coe_expert_kv_blocks_free": "Free KV blocks in the expert's pool",
         }
         families = {name: GaugeMetricFamily(name, doc, labels=["expert"]) for name, doc in gauges.items()}
-        for name, e in self.coe.experts.items():
-            s = self.coe._stats(e)
-            families["baton_coe_expert_ready"].add_metric([name], float(e.state == "READY"))
+        for name, ready, s in self.loads():
+            families["baton_coe_expert_ready"].add_metric([name], float(ready))
             values = (s.active_calls, s.queued_calls, s.running_seqs, s.kv_blocks_free) if s else (0, 0, 0, 0)
             for metric, v in zip(list(families)[1:], values):
                 families[metric].add_metric([name], v)
@@ -46,7 +45,7 @@ class ExpertLoadCollector:
 
 
 class CoEMetrics:
-    def __init__(self, registry: CollectorRegistry, coe: CoERuntime):
+    def __init__(self, registry: CollectorRegistry, loads: ExpertLoads):
         self.requests = Counter(
             "baton_coe_requests",
             "Generation requests by expert and how they reached it (named, routed, fallback)",
@@ -65,7 +64,7 @@ class CoEMetrics:
         self.seconds = Histogram(
             "baton_coe_route_seconds", "Time the router took per request", buckets=LATENCY_BUCKETS, registry=registry
         )
-        registry.register(ExpertLoadCollector(coe))
+        registry.register(ExpertLoadCollector(loads))
 
     def observe_route(self, expert: str, confidence: float, seconds: float) -> None:
         self.decisions.labels(expert).inc()

@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 
 import grpc
 import torch
-
 from baton.common.config import ConfigError
 from baton.common.router import Router, load_router
 from baton.serve.async_engine import AsyncLLMEngine
 from baton.serve.coe.config import MB, CoEConfig, ExpertSpec, check_expert
 from baton.serve.coe.metrics import CoEMetrics
+from baton.serve.core.stats import EngineStats
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.quantization.loader import quantization_config
 from baton.serve.rpc import RpcError, invalid
 from baton.serve.runtime import Call, Limits, Runtime
-from baton.serve.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class CoERuntime(Runtime):
         self.router: Router | None = None
         self._router_lock = threading.Lock()  # one router forward at a time (it runs off the event loop)
         self._changing = asyncio.Lock()  # one load or unload at a time: budget checks see settled shares
-        self.coe_metrics = CoEMetrics(self.metrics.registry, self)
+        self.coe_metrics = CoEMetrics(self.metrics.registry, self._loads)
         self.route_decisions, self._confidence_sum, self._route_s = 0, 0.0, 0.0
 
     # ------------------------------------------------------------------------------ choosing
@@ -280,6 +279,9 @@ class CoERuntime(Runtime):
     def _stats(e: Expert) -> EngineStats | None:
         rt = e.rt
         return None if rt is None or rt.async_engine is None else rt.engine_stats()
+
+    def _loads(self) -> list[tuple[str, bool, EngineStats | None]]:
+        return [(n, e.state == "READY", self._stats(e)) for n, e in self.experts.items()]
 
     def repository_index(self) -> list[tuple[str, str, str]]:
         return [(n, e.state, "" if e.state == "READY" else e.reason) for n, e in self.experts.items()]

@@ -1,8 +1,9 @@
 """What the engine does when its own code fails: the fault-injection hook and the KV books check.
 
-A failure inside one request's work fails that request alone (serve/engine.py). Before the engine
-goes on, `pool_problem` recounts the KV pools from the live sequences' block tables: if the books
-do not balance, the engine's state cannot be trusted and it raises EngineFault, which stops it.
+A failure inside one request's work fails that request alone (serve/engine/engine.py). Before the
+engine goes on, BlockManager.problem recounts the KV pools from the live sequences' block tables:
+if the books do not balance, the engine's state cannot be trusted and it raises EngineFault, which
+stops it.
 
 Tests make the engine fail on purpose through `LLMEngine.fault_injector(point, seq)`, called at
 POINTS when set (and not at all when None). A `baton serve` subprocess gets one from the
@@ -15,11 +16,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections import Counter
-from typing import Callable, Iterable
+from typing import Callable
 
-from baton.serve.block_manager import BlockManager
-from baton.serve.sequence import Sequence
+from baton.serve.core.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -94,26 +93,3 @@ def per_sequence(
             except Exception as e:
                 fail(seq, point, e)
     return done
-
-
-def pool_problem(bm: BlockManager, live: Iterable[Sequence]) -> str | None:
-    """None if every block's ref count equals the live block tables holding it, the free list is
-    exactly the unreferenced blocks and the host pool's free and held blocks add up; else why not."""
-    live = list(live)
-    refs = Counter(b for s in live for b in s.block_table if b >= 0)
-    wrong = [b.block_id for b in bm.blocks if b.ref_count != refs.get(b.block_id, 0)]
-    if wrong:
-        b = bm.blocks[wrong[0]]
-        return (
-            f"KV block {b.block_id} has ref count {b.ref_count} but {refs.get(b.block_id, 0)} live sequences "
-            f"hold it ({len(wrong)} blocks disagree)"
-        )
-    unreferenced = {b.block_id for b in bm.blocks if b.ref_count == 0}
-    if set(bm.free_blocks) != unreferenced:
-        return f"the KV free list has {bm.num_free_blocks} blocks but {len(unreferenced)} are unreferenced"
-    held = [h for s in live for h in s.host_block_table]
-    if len(bm.host_free) + len(held) != bm.num_host_blocks or len(set(held) | set(bm.host_free)) != bm.num_host_blocks:
-        return (
-            f"the host swap pool has {len(bm.host_free)} free and {len(held)} held blocks, not its {bm.num_host_blocks}"
-        )
-    return None

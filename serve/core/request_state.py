@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from baton.serve.detokenizer import IncrementalDetokenizer
+from baton.serve.core.detokenizer import IncrementalDetokenizer
+from baton.serve.core.sequence import Sequence
 from baton.serve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 
 @dataclass

@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-
 from baton.serve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from baton.serve.grammar import SequenceGrammar
+    from baton.serve.core.structured import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -61,7 +60,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_parents: list[int] | None = None  # tree: parent index of each proposal (-1 = the last real token)
     spec_draft_probs: torch.Tensor | None = None
-    grammar: "SequenceGrammar | None" = None  # structured outputs: its matcher (serve/grammar.py)
+    grammar: "SequenceGrammar | None" = None  # structured outputs: its matcher (serve/core/structured.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -35,7 +35,7 @@ class EngineStats:
     spec_accepted_by_depth: list[int] = field(default_factory=list)
     spec_method: str = "none"  # SpeculativeConfig.method: the mode these spec_* numbers are of
     spec_speedup: float = 0.0  # measured against plain decode steps of the same batch size (SpecStats.speedup)
-    # CALM confidence early exit (serve/early_exit.py): decode tokens by the depth they ran,
+    # CALM confidence early exit (serve/runner/early_exit.py): decode tokens by the depth they ran,
     # early_exit_tokens[i] having left after early_exit_layers[i] layers (the last: the full depth)
     early_exit_layers: list[int] = field(default_factory=list)
     early_exit_tokens: list[int] = field(default_factory=list)

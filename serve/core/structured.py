@@ -1,13 +1,19 @@
-"""Structured outputs: the request-side spec (JSON schema, JSON object, regex or EBNF grammar).
+"""Structured outputs: the request-side spec (JSON schema, JSON object, regex or EBNF grammar), and
+the matcher a sequence carries (SequenceGrammar).
 
-Kept free of xgrammar so the API layers (gRPC, HTTP) can build and validate it cheaply; the
-grammar machinery that enforces it during sampling lives in serve/grammar.py.
+Kept free of xgrammar at import so the API layers (gRPC, HTTP) can build and validate specs
+cheaply; the grammar machinery that compiles and enforces them during sampling lives in
+serve/grammar.py.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 _KINDS = ("json", "json_object", "regex", "grammar")
 
@@ -64,3 +70,23 @@ class StructuredOutputs:
         if kind == "json_object":
             return kind, ""
         return kind, getattr(self, kind)
+
+
+class SequenceGrammar:
+    """One sequence's matcher: where it stands in the grammar after the tokens it has output."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self.matcher = matcher
+
+    def fork(self) -> SequenceGrammar:
+        return SequenceGrammar(self.matcher.fork())
+
+    def accept(self, token: int) -> None:
+        """Advance past a sampled token; the mask made any other outcome impossible, so a refusal
+        is a bug that fails this request only."""
+        if not self.matcher.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()

@@ -1,7 +1,7 @@
 """LLMEngine: requests in, one scheduled model step at a time, outputs out (vLLM's shape).
 
-step() = schedule (continuous batching; serve/scheduler.py) -> execute the packed batch
-(serve/model_runner.py) -> postprocess: book the computed KV, verify speculative proposals
+step() = schedule (continuous batching; serve/scheduling/scheduler.py) -> execute the packed batch
+(serve/runner/model_runner.py) -> postprocess: book the computed KV, verify speculative proposals
 (serve/speculative/), sample, append tokens, detokenize, check stop conditions -> retire finished
 sequences (freeing blocks).
 
@@ -11,12 +11,12 @@ scheduler (its blocks are free at once) and step() reports it: a final RequestOu
 and finish_reason "error" (AsyncLLMEngine raises RequestFailedError in that stream only). Batched
 proposals/sampling that raise are retried per sequence (a seeded draw made before the raise is
 drawn again); a raising forward fails exactly its batch. Then the KV pools are recounted
-(serve/faults.py): only a count that does not add up, or a raise while failing a request, escapes
+(serve/core/faults.py): only a count that does not add up, or a raise while failing a request, escapes
 step() as EngineFault - the engine is dead. Admission refuses what could never be scheduled; if
 the scheduler still makes no progress, the request at the head of the queue fails.
 
 Hybrid models (Bamba: Mamba2 mixers + attention) get recurrent-state slots beside the KV pool
-(serve/state_pool.py), counted against the same byte budget; check_hybrid there says what they
+(serve/runner/state_pool.py), counted against the same byte budget; check_hybrid there says what they
 cannot be combined with yet.
 """
 
@@ -27,91 +27,37 @@ import functools
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import read_config
-from baton.common.config import ConfigError
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
-from baton.serve.block_manager import BlockManager
-from baton.serve.detokenizer import IncrementalDetokenizer
-from baton.serve.kv_budget import kv_budget_bytes
-from baton.serve.faults import EngineFault, FaultInjector, injector_from_env, per_sequence, pool_problem
+from baton.serve.core.detokenizer import IncrementalDetokenizer
+from baton.serve.core.faults import EngineFault, FaultInjector, injector_from_env, per_sequence
+from baton.serve.core.request_state import RequestState
+from baton.serve.core.sequence import Sequence, SequenceStatus
+from baton.serve.core.stats import EngineStats
+from baton.serve.engine.config import EngineConfig
+from baton.serve.engine.rules import check as check_rules
+from baton.serve.engine.sizing import plan_pools
 from baton.serve.grammar import GrammarCache, prune_proposals
-from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.outputs import RequestOutput
-from baton.serve.parallel.config import ParallelConfig
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
-from baton.serve.request_state import RequestState
+from baton.serve.runner.early_exit import apply_early_exit
+from baton.serve.runner.interface import Runner
+from baton.serve.runner.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.serve.sampler import SampleResult, sample
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from baton.serve.sequence import Sequence, SequenceStatus
-from baton.serve.speculative import SpecStats, SpeculativeConfig
+from baton.serve.scheduling.block_manager import BlockManager
+from baton.serve.scheduling.scheduler import Scheduler, SchedulerOutput
+from baton.serve.scheduling.streaming import SlidingWindowPolicy, StreamingLLMPolicy
+from baton.serve.speculative.config import SpecStats
 from baton.serve.speculative.decoder import SpeculativeDecoder
-from baton.serve.speculative.proposers import make_proposer
-from baton.serve.state_pool import check_hybrid, plan_states
-from baton.serve.stats import EngineStats
-from baton.serve.streaming import SlidingWindowPolicy, StreamingLLMPolicy
+from baton.serve.speculative.registry import make_proposer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # exact pool size; else sized from the budget below
-    kv_cache_bytes: int | None = None
-    kv_cache_fraction: float = 0.1  # of available RAM (CPU)
-    gpu_memory_utilization: float = 0.9  # CUDA: of the device's memory, for weights + activations + KV (vLLM's)
-    swap_space_bytes: int = 64 * 1024**2  # host pool for swap preemption
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    streaming_sink_tokens: int | None = None  # set both streaming_* to enable StreamingLLM
-    streaming_window_tokens: int | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    speculative: SpeculativeConfig | None = None
-    kv_cache_dtype: str = "auto"  # "int8" / "fp8": quantized KV pools (serve/quantization/kv_cache.py)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # tensor/pipeline parallel (serve/parallel/)
-    early_exit_threshold: float | None = (
-        None  # CALM: leave at the first recorded exit this confident (serve/early_exit.py)
-    )
-
-    @property
-    def streaming(self) -> bool:
-        return self.streaming_window_tokens is not None
-
-    def validate(self) -> None:
-        """Every field is a `baton serve` flag: a value that cannot work fails here, before a port binds."""
-        positive = {
-            "block_size": self.block_size,
-            "num_kv_blocks": self.num_kv_blocks,
-            "kv_cache_bytes": self.kv_cache_bytes,
-            "max_model_len": self.max_model_len,
-            "streaming_window_tokens": self.streaming_window_tokens,
-        }
-        for name, value in positive.items():
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("kv_cache_fraction", "gpu_memory_utilization"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
-        if self.swap_space_bytes < 0 or (self.streaming_sink_tokens or 0) < 0:
-            raise ValueError("swap_space_bytes and streaming_sink_tokens must be >= 0")
-        if self.streaming_sink_tokens is not None and self.streaming_window_tokens is None:
-            raise ValueError("streaming_sink_tokens needs streaming_window_tokens (StreamingLLM is on with a window)")
-        self.scheduler.validate()
-        self.parallel.validate()
-        if self.speculative is not None:
-            self.speculative.validate()
-            if self.streaming:
-                raise ValueError("speculative decoding and StreamingLLM cannot be combined")
-        if self.early_exit_threshold is not None and not 0 < self.early_exit_threshold <= 1:
-            raise ValueError(f"early_exit_threshold must be in (0, 1], got {self.early_exit_threshold}")
 
 
 class LLMEngine:
@@ -129,34 +75,23 @@ class LLMEngine:
         config.validate()
         self.model, self.tokenizer = model, tokenizer
         mcfg = self.model_config = model.config if runner is None else runner.model_config
-        if mcfg.is_hybrid:
-            check_hybrid(config, mcfg)
+        check_rules(config, mcfg)
+        check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        check_kv_cache_dtype(config.kv_cache_dtype, mcfg.head_dim)
-        if config.streaming and config.kv_cache_dtype != "auto":
-            raise ValueError("StreamingLLM re-rotates cached keys in place: use kv_cache_dtype='auto' with it")
         states = None
         if runner is None:
             p = next(model.parameters())
             block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
-            if mcfg.is_hybrid:  # state slots first, from the same budget
-                num_blocks, num_host, states = plan_states(
-                    config, mcfg, block_bytes, p.dtype, lambda: self._budget_bytes(p.device)
-                )
-            else:
-                num_blocks = config.num_kv_blocks or self._blocks_from_budget(block_bytes, p.device)
-                swap = config.scheduler.preemption_mode == "swap"
-                num_host = config.swap_space_bytes // block_bytes if swap else 0
-            runner = ModelRunner(model, num_blocks, config.block_size, num_host, config.kv_cache_dtype, states=states)
-        self.runner = runner
-        self.early_exit = None  # CALM confidence early exit (serve/early_exit.py)
+            pools = plan_pools(config, mcfg, block_bytes, p.dtype, p.device)
+            states = pools.states
+            runner = ModelRunner(
+                model, pools.num_blocks, config.block_size, pools.num_host_blocks, config.kv_cache_dtype, states=states
+            )
+        self.early_exit = None  # CALM confidence early exit: a runner wrapper (serve/runner/early_exit.py)
         if config.early_exit_threshold is not None:
-            from baton.serve.early_exit import apply_early_exit, check_early_exit
-
-            sharded = type(runner) is not ModelRunner
-            check_early_exit(config, mcfg, sharded)
-            self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
+            runner = self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
+        self.runner: Runner = runner
         num_blocks, num_host = runner.num_blocks, runner.num_host_blocks
         eviction = None
         if config.streaming:
@@ -177,7 +112,7 @@ class LLMEngine:
         self.speculative: SpeculativeDecoder | None = None
         # Batches in flight at once: one per pipeline stage when the runner can overlap them (not
         # with speculation: proposals need the previous step's tokens).
-        self._depth = getattr(runner, "max_in_flight", 1) if config.speculative is None else 1
+        self._depth = runner.max_in_flight if config.speculative is None else 1
         self._in_flight: collections.deque[tuple[SchedulerOutput, object]] = collections.deque()
         if config.speculative is not None:
             proposer = make_proposer(
@@ -206,8 +141,7 @@ class LLMEngine:
         if config.parallel.world_size > 1:
             from baton.serve.parallel import start_distributed
 
-            if (mcfg := read_config(path)).is_hybrid:  # before any worker starts
-                check_hybrid(config, mcfg)
+            check_rules(config, read_config(path), sharded=True)  # before any worker starts
 
             return cls(None, tok, config, model_dir=path, runner=start_distributed(path, config, device, dtype))
         ckpt = load_model(path, device=device, dtype=dtype)
@@ -215,35 +149,11 @@ class LLMEngine:
 
     def check_health(self) -> None:
         """Raises EngineFault when the model can no longer run (a sharded model's worker is gone)."""
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            check()
+        self.runner.check_health()
 
     def shutdown(self) -> None:
         """Stop what the engine started (a sharded model's worker processes)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
-
-    def _blocks_from_budget(self, block_bytes: int, device: torch.device) -> int:
-        budget = self._budget_bytes(device)
-        blocks = budget // block_bytes
-        if blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")
-        return int(blocks)
-
-    def _budget_bytes(self, device: torch.device) -> int:
-        c, mcfg = self.config, self.model.config
-        return kv_budget_bytes(
-            device,
-            mcfg,
-            kv_cache_bytes=c.kv_cache_bytes,
-            kv_cache_fraction=c.kv_cache_fraction,
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-            max_num_seqs=c.scheduler.max_num_seqs,
-            elem=torch.tensor([], dtype=mcfg.dtype).element_size(),
-        )
+        self.runner.shutdown()
 
     def _eos_ids(self) -> set[int]:
         eos = self.model_config.eos_token_id
@@ -512,7 +422,7 @@ class LLMEngine:
             self._failed.clear()
             s = self.scheduler
             live = s.running + s.waiting + s.swapped
-            problem = pool_problem(self.block_manager, live)
+            problem = self.block_manager.problem(live)
             if problem is None and self.block_manager.states is not None:
                 problem = self.block_manager.states.problem(live)
             if problem is not None:

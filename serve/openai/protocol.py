@@ -12,10 +12,9 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
-
+from baton.serve.core.structured import StructuredOutputs
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.structured import StructuredOutputs
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 Number = Annotated[float, Field(strict=True)]  # strict float still takes ints, never strings
 DONE = b"data: [DONE]\n\n"

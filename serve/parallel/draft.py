@@ -15,9 +15,8 @@ it sees the same commands.
 from __future__ import annotations
 
 import torch
-
-from baton.serve.model_runner import LateEntry, ModelRunner
-from baton.serve.step_plan import Chunk, StepPlan
+from baton.serve.runner.model_runner import LateEntry, ModelRunner
+from baton.serve.runner.step_plan import Chunk, StepPlan
 
 
 @torch.inference_mode()

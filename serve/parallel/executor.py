@@ -1,7 +1,7 @@
 """The driver and its workers: one engine, T x P ranks holding the shards (vLLM's executor).
 
 Rank r is tensor rank r % T of pipeline stage r // T; rank 0 is the driver: it keeps the
-scheduler, block manager and sampler (serve/engine.py is unchanged) and is also stage 0's first
+scheduler, block manager and sampler (serve/engine/engine.py is unchanged) and is also stage 0's first
 tensor rank. Every step it broadcasts one small command over a CPU (gloo) group - the StepPlan's
 token ids, positions, slot mapping and block tables, or the step's block copies - and every rank
 turns it into tensors on its own device. Activations travel on the device group (gloo on CPU,
@@ -43,20 +43,18 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from baton.common.config import ModelConfig
-from baton.serve.block_manager import BlockOps
-from baton.serve.faults import EngineFault
-from baton.serve.kv_budget import kv_budget_bytes
-from baton.serve.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
 from baton.common.checkpoint import read_config
+from baton.common.config import ModelConfig
+from baton.serve.core.faults import EngineFault
+from baton.serve.core.sequence import Sequence
 from baton.serve.parallel.comm import ShmGroup, pid_running, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.draft import draft_pass
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
-from baton.serve.sequence import Sequence
-from baton.serve.step_plan import (
+from baton.serve.runner.kv_budget import kv_budget_bytes
+from baton.serve.runner.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
+from baton.serve.runner.step_plan import (
     Chunk,
     StepPlan,
     TableReceiver,
@@ -65,6 +63,7 @@ from baton.serve.step_plan import (
     plan_chunks,
     split_for_pipeline,
 )
+from baton.serve.scheduling.block_manager import BlockOps
 
 log = logging.getLogger(__name__)
 # A spawned worker starts a Python and imports torch before it can join (seconds on a busy host):

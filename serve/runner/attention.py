@@ -19,7 +19,6 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
-
 from baton.common.model import Attention
 from baton.kernels import flash_attn_with_paged_prefix, paged_attention_decode, reshape_and_cache
 from baton.kernels.paged_attention import cpu_kernel_fits, paged_attention_decode_cpu

@@ -31,14 +31,13 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from baton.common.model import DecoderLayer, RMSNorm
 from baton.common.rope import rotary_cos_sin
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import PackedLinear, sgemm_compute_address
-from baton.serve.attention import AttentionMetadata, PagedAttention
-from baton.serve.fusion import FusedMLP, FusedQKVAttention
+from baton.serve.runner.attention import AttentionMetadata, PagedAttention
+from baton.serve.runner.fusion import FusedMLP, FusedQKVAttention
+from torch import nn
 
 ENV = "BATON_CPU_LAYERS"
 

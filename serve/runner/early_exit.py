@@ -12,63 +12,40 @@ Not exact: the output differs from full-depth decoding wherever an exit is taken
 benchmarks/speculative.py measures agreement, perplexity and speed over thresholds).
 
 Compute: an exited row runs only the K/V projections of the layers it skips, the rows still in
-run the whole layer, in one sub-batch (the attention metadata narrowed to them). Applied to a
-plain ModelRunner from outside (its `execute` replaced); sharded runners, speculative decoding,
-StreamingLLM, quantized KV pools and hybrid models are refused.
+run the whole layer, in one sub-batch (the attention metadata narrowed to them). A runner wrapper
+around a plain ModelRunner, installed by the engine from outside; sharded runners, speculative
+decoding, StreamingLLM, quantized KV pools and hybrid models are refused (serve/engine/rules.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import torch
-
-from baton.common.config import ModelConfig
 from baton.common.rope import rotary_cos_sin
-from baton.serve.attention import AttentionMetadata
-from baton.serve.model_runner import ExecuteResult, ModelRunner
-from baton.serve.sequence import Sequence
-from baton.serve.step_plan import plan_chunks
-
-if TYPE_CHECKING:
-    from baton.serve.engine import EngineConfig
-
-
-def check_early_exit(config: EngineConfig, model: ModelConfig, sharded: bool) -> None:
-    """Everything that rules confidence early exit out, as a ValueError naming it (the engine and,
-    before a server binds its port, `baton serve` call this)."""
-    threshold = config.early_exit_threshold
-    if not 0 < threshold <= 1:
-        raise ValueError(f"early_exit_threshold must be in (0, 1], got {threshold}")
-    if not model.early_exit_layers:
-        raise ValueError(
-            "early_exit_threshold needs a checkpoint with recorded early exits (early_exit_layers in "
-            "config.json, written by a `baton train` recipe with an early_exit: section)"
-        )
-    why = None
-    if model.is_hybrid:
-        why = "a hybrid (Mamba2) model: its mixer layers have no K/V to fill"
-    elif config.speculative is not None:
-        why = "speculative decoding (verification needs full depth)"
-    elif sharded:
-        why = "tensor/pipeline parallel serving (it runs on a single-process model)"
-    elif config.streaming:
-        why = "StreamingLLM (the fill is not checked against a reference under its evictions and re-rotated keys)"
-    elif config.kv_cache_dtype != "auto":
-        why = "a quantized KV cache (the filled K/V are written unquantized): use kv_cache_dtype 'auto'"
-    if why:
-        raise ValueError(f"early_exit_threshold cannot be combined with {why}")
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.attention import AttentionMetadata
+from baton.serve.runner.model_runner import ExecuteResult, ModelRunner
+from baton.serve.runner.step_plan import plan_chunks
 
 
 class ConfidenceExit:
-    """The replacement of one runner's `execute`; `exits` counts tokens per exit (L: full depth)."""
+    """A Runner around a plain ModelRunner: `execute` exits early, every other member is the inner
+    runner's. `exits` counts tokens per exit (L: full depth)."""
 
     def __init__(self, runner: ModelRunner, threshold: float, exit_layers: list[int]):
         self.runner, self.threshold, self.exit_layers = runner, threshold, set(exit_layers)
         self.exits: Counter[int] = Counter()
-        runner.execute = self.execute
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def submit(self, *args) -> ExecuteResult:  # one step at a time (max_in_flight 1): the step itself
+        return self.execute(*args)
+
+    def collect(self, result: ExecuteResult) -> ExecuteResult:
+        return result
 
     def stats(self) -> dict[str, list[int]]:
         """EngineStats' early_exit_* fields: tokens per exit layer, every exit listed, full depth last."""
@@ -164,5 +141,6 @@ def _narrowed(md: AttentionMetadata, live: torch.Tensor) -> AttentionMetadata:
 
 
 def apply_early_exit(runner: ModelRunner, threshold: float) -> ConfidenceExit:
-    """Confidence early exit on `runner` at the checkpoint's recorded exits."""
+    """Confidence early exit around `runner` at the checkpoint's recorded exits (serve/engine/rules.py
+    says what it cannot be combined with)."""
     return ConfidenceExit(runner, threshold, runner.model.config.early_exit_layers)

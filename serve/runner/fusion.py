@@ -12,10 +12,9 @@ experts are left as they are; a tensor-parallel rank's column shards are plain l
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from baton.common.model import MLP, Attention, AttentionBackend, DecoderLayer
 from baton.kernels import apply_rotary, swiglu
+from torch import nn
 
 
 class FusedQKVAttention(Attention):

@@ -1,6 +1,6 @@
 """InputBatch: the model runner's step tensors, with the block tables kept between steps.
 
-StepPlan (serve/step_plan.py) describes a step as plain lists; StepPlan.tensors turns them into
+StepPlan (serve/runner/step_plan.py) describes a step as plain lists; StepPlan.tensors turns them into
 tensors from scratch. Most of that cost at a large decode batch is the block tables: a nested
 list of every scheduled sequence's whole table, padded and converted, every step, although a
 decoding sequence's table changes only when it takes a new block (one step in block_size).
@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from baton.serve.attention import AttentionMetadata
-from baton.serve.step_plan import StepPlan
+from baton.serve.runner.attention import AttentionMetadata
+from baton.serve.runner.step_plan import StepPlan
 
 __all__ = ["InputBatch"]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import psutil
 import torch
-
 from baton.common.config import ModelConfig
 
 

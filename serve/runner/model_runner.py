@@ -4,7 +4,7 @@ With tensor/pipeline parallelism (serve/parallel/) every rank has a ModelRunner 
 its pipeline stage's layers (`layers`), its attention heads, and KV pools for exactly those.
 
 A hybrid model (Bamba) has KV pools for its attention layers only, and a StatePool
-(serve/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
+(serve/runner/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
 BlockManager's StateSlots, which say each scheduled sequence's slot.
 
 A step with prefill chunks samples one row per finished prompt (none for a chunk that ends
@@ -27,22 +27,21 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from baton.common.model import CausalLM, fuse_residual_norms, run_layers
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import pack_linears
 from baton.kernels.reference import rotate_half
-from baton.serve.attention import PagedAttention
-from baton.serve.block_manager import BlockOps
-from baton.serve.cpu_layers import bind as bind_cpu_layers
-from baton.serve.cpu_layers import bind_head as bind_cpu_head
-from baton.serve.fusion import fuse_projections
-from baton.serve.input_batch import InputBatch
+from baton.serve.core.sequence import Sequence
 from baton.serve.quantization.kv_cache import pool_layout
-from baton.serve.sequence import Sequence
-from baton.serve.state_pool import PagedHybridAttention, Segment, StatePool, StateSlots
-from baton.serve.step_plan import DECODE_ROWS, Chunk, StepPlan, plan_chunks
-
+from baton.serve.runner.attention import PagedAttention
+from baton.serve.runner.cpu_layers import bind as bind_cpu_layers
+from baton.serve.runner.cpu_layers import bind_head as bind_cpu_head
+from baton.serve.runner.fusion import fuse_projections
+from baton.serve.runner.input_batch import InputBatch
+from baton.serve.runner.state_pool import PagedHybridAttention, Segment, StatePool
+from baton.serve.runner.step_plan import DECODE_ROWS, Chunk, StepPlan, plan_chunks
+from baton.serve.scheduling.block_manager import BlockOps
+from baton.serve.scheduling.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +352,20 @@ class ModelRunner:
             self.num_executes += 1
         logits, hidden = self.head(plan, x)
         return ExecuteResult(logits, groups, hidden)
+
+    max_in_flight = 1  # in-process: each step runs to its end (Runner.submit is execute)
+
+    def submit(self, *args) -> ExecuteResult:
+        return self.execute(*args)
+
+    def collect(self, result: ExecuteResult) -> ExecuteResult:
+        return result
+
+    def check_health(self) -> None:
+        """Nothing of an in-process model can be lost between steps."""
+
+    def shutdown(self) -> None:
+        """Nothing was started: the pools go with the runner."""
 
     def _begin_states(self, scheduled: list[tuple[Sequence, int]]) -> None:
         """The mixers' view of the step: each chunk's rows and slot (zeroed for a sequence's first

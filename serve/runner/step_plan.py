@@ -19,10 +19,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-
-from baton.serve.attention import AttentionMetadata, TreeGroup
-from baton.serve.sequence import Sequence
-from baton.serve.speculative.tree import ancestor_mask, tree_depths
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.token_tree import ancestor_mask, tree_depths
+from baton.serve.runner.attention import AttentionMetadata, TreeGroup
 
 DECODE_ROWS = 8  # chunks up to this long run as decode rows (each re-reads the prefix: short only)
 
@@ -154,7 +153,7 @@ class StepPlan:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [1, T], positions [1, T], attention metadata) on `device`, built from the
-        lists alone: the reference the model runner's InputBatch (serve/input_batch.py), which
+        lists alone: the reference the model runner's InputBatch (serve/runner/input_batch.py), which
         keeps block-table rows between steps, is tested against."""
         dev = device
 

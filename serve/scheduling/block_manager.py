@@ -7,7 +7,7 @@ and its parent's hash, so two requests with the same prefix share the same physi
 blocks keep their hash and stay findable until they are evicted, least recently used first.
 
 A hybrid model's mixers keep a recurrent state per sequence instead of blocks: `states`
-(serve/state_pool.py's StateSlots) follows every sequence's blocks here - taken with its first
+(serve/scheduling/state_slots.py's StateSlots) follows every sequence's blocks here - taken with its first
 blocks, freed, forked, swapped with them - and a prefix hit needs the state snapshot where the
 hit ends, so hits are cut back to the longest cached prefix that has one.
 """
@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from baton.serve.sequence import Sequence
-from baton.serve.state_pool import StateOp, StateSlots
+from baton.serve.core.sequence import Sequence
+from baton.serve.scheduling.state_slots import StateOp, StateSlots
 
 
 @dataclass
@@ -300,3 +301,27 @@ class BlockManager:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def problem(self, live: Iterable[Sequence]) -> str | None:
+        """None if every block's ref count equals the live block tables holding it, the free list is
+        exactly the unreferenced blocks and the host pool's free and held blocks add up; else why not
+        (the engine recounts after failing requests: serve/core/faults.py)."""
+        live = list(live)
+        refs = Counter(b for s in live for b in s.block_table if b >= 0)
+        wrong = [b.block_id for b in self.blocks if b.ref_count != refs.get(b.block_id, 0)]
+        if wrong:
+            b = self.blocks[wrong[0]]
+            return (
+                f"KV block {b.block_id} has ref count {b.ref_count} but {refs.get(b.block_id, 0)} live sequences "
+                f"hold it ({len(wrong)} blocks disagree)"
+            )
+        unreferenced = {b.block_id for b in self.blocks if b.ref_count == 0}
+        if set(self.free_blocks) != unreferenced:
+            return f"the KV free list has {self.num_free_blocks} blocks but {len(unreferenced)} are unreferenced"
+        held = [h for s in live for h in s.host_block_table]
+        if (
+            len(self.host_free) + len(held) != self.num_host_blocks
+            or len(set(held) | set(self.host_free)) != self.num_host_blocks
+        ):
+            return f"the host swap pool has {len(self.host_free)} free and {len(held)} held blocks, not its {self.num_host_blocks}"
+        return None

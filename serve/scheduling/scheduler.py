@@ -18,12 +18,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from baton.serve.block_manager import BlockManager, BlockOps
-from baton.serve.faults import SequenceFailure
+from baton.serve.core.faults import SequenceFailure
+from baton.serve.core.sequence import Sequence, SequenceStatus
+from baton.serve.core.token_tree import clear_speculation
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence, SequenceStatus
-from baton.serve.speculative.tree import clear_speculation
-from baton.serve.streaming import EvictionPolicy, StreamingLLMPolicy
+from baton.serve.scheduling.block_manager import BlockManager, BlockOps
+from baton.serve.scheduling.streaming import EvictionPolicy, StreamingLLMPolicy
 
 
 def slots(seq: Sequence) -> int:

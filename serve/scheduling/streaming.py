@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from baton.serve.block_manager import BlockManager
-from baton.serve.sequence import Sequence
+from baton.serve.core.sequence import Sequence
+from baton.serve.scheduling.block_manager import BlockManager
 
 
 class EvictionPolicy(Protocol):

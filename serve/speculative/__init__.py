@@ -1,11 +1,14 @@
 """Speculative decoding: cheap proposals, one target pass to verify them, exact output.
 
-  * proposers.py - the Proposer base and its methods, each setting seq.spec_token_ids (and
-                   seq.spec_parents for a tree): NgramProposer (prompt lookup: copy what followed
-                   the last occurrence of the current suffix), DraftProposer (a small model with its
-                   own paged KV cache proposes k tokens, a chain or EAGLE-2's dynamic tree over the
-                   draft's top-k), MedusaProposer (Medusa heads on the target's last hidden state:
-                   a chain, or a tree from the Cartesian product of the heads' top-k)
+  * base.py      - Proposer, the interface every method implements: each sets seq.spec_token_ids
+                   (and seq.spec_parents for a tree); registry.py makes one by name and checks the
+                   checkpoint has what the method needs (check_checkpoint), before any work starts
+  * ngram.py     - NgramProposer (prompt lookup: copy what followed the last occurrence of the
+                   current suffix)
+  * draft.py     - DraftProposer (a small model with its own paged KV cache proposes k tokens, a
+                   chain or EAGLE-2's dynamic tree over the draft's top-k)
+  * medusa.py    - MedusaProposer (Medusa heads on the target's last hidden state: a chain, or a
+                   tree from the Cartesian product of the heads' top-k)
   * layerskip.py - LayerSkipProposer: the model's own first E layers (+ final norm and LM head)
                    draft, the full model verifies (LayerSkip self-speculation)
   * eagle.py     - EagleProposer: a trained one-layer EAGLE head drafts from the target's own last
@@ -14,8 +17,8 @@
                    an n-gram pool whose guesses are verified (lookahead decoding)
   * decoder.py   - SpeculativeDecoder, what the engine calls: proposals before the schedule,
                    verification after the forward (`choose`), adaptive k and the stats
-  * tree.py      - proposals as a token tree: building (dynamic, fixed topology, trie), packing
-                   (depths, attention mask), trimming
+  * tree.py      - building token trees (dynamic, fixed topology, trie); how the engine reads one
+                   (depths, attention mask, trimming) is serve/core/token_tree.py's
   * config.py    - SpeculativeConfig, SpecStats, AdaptiveK
 
 Verification keeps the target's distribution exactly. At each node the candidates (children)

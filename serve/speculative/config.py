@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from baton.common.config import ConfigError
-from baton.serve.sequence import Sequence
+from baton.serve.core.sequence import Sequence
 from baton.serve.speculative import METHODS
 from baton.serve.speculative.tree import parse_choices
 
@@ -85,47 +82,6 @@ class SpeculativeConfig:
     def node_budget(self) -> int:
         """The most nodes a draft/Medusa token tree gets."""
         return self.tree_nodes if self.tree_nodes is not None else self.num_speculative_tokens * self.tree_width
-
-
-def check_checkpoint(cfg: SpeculativeConfig, model_dir: str | Path) -> None:
-    """Before a server binds its port: what the method needs from the checkpoint (and the draft's)
-    is there - Medusa heads deep enough for tree_choices, a draft sharing the target's vocabulary, an
-    EAGLE head, a depth for LayerSkip to draft from. Raises ConfigError naming what is missing."""
-    from baton.common.checkpoint import read_config
-
-    d = Path(model_dir)
-    if not (d / "config.json").is_file():
-        return  # not a checkpoint: loading it says so
-    if cfg.method == "layerskip":
-        from baton.serve.speculative.layerskip import check_checkpoint as check_layerskip
-
-        try:
-            check_layerskip(cfg, d)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    elif cfg.method == "eagle":
-        from baton.common.eagle import check_eagle
-
-        check_eagle(d)
-    elif cfg.method == "medusa":
-        from baton.common.medusa import CONFIG_FILE, MedusaConfig
-
-        if not (d / CONFIG_FILE).is_file():
-            raise ConfigError(
-                f"--speculative medusa: {d} has no Medusa heads ({CONFIG_FILE}); train them with a medusa recipe"
-            )
-        heads = MedusaConfig(**json.loads((d / CONFIG_FILE).read_text())).num_heads
-        if cfg.tree_choices is not None and max(map(len, parse_choices(cfg.tree_choices))) > heads:
-            raise ConfigError(f"tree_choices goes deeper than the checkpoint's {heads} Medusa heads")
-    elif cfg.method == "draft":
-        draft = Path(cfg.draft_model)
-        if not (draft / "config.json").is_file():
-            raise ConfigError(f"--draft-model {draft} is not a checkpoint directory (no config.json)")
-        target_vocab, draft_vocab = read_config(d).vocab_size, read_config(draft).vocab_size
-        if draft_vocab != target_vocab:
-            raise ConfigError(
-                f"draft model vocab {draft_vocab} != target vocab {target_vocab}: the draft must share the target's tokenizer"
-            )
 
 
 @dataclass

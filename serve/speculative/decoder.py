@@ -12,16 +12,15 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-
-from baton.serve.block_manager import BlockManager
-from baton.serve.faults import FaultInjector, SequenceFailure, per_sequence
+from baton.serve.core.faults import FaultInjector, SequenceFailure, per_sequence
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.token_tree import chain_parents, clear_speculation, tree_depths
 from baton.serve.grammar import mask_row
-from baton.serve.model_runner import ModelRunner
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampler import SampleResult, _has_penalties, logprobs_of, target_distribution, target_distributions
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.block_manager import BlockManager
+from baton.serve.speculative.base import Proposer
 from baton.serve.speculative.config import AdaptiveK, SpecStats, SpeculativeConfig
-from baton.serve.speculative.proposers import Proposer
-from baton.serve.speculative.tree import chain_parents, clear_speculation, tree_depths
 
 
 def choose(p: torch.Tensor, candidates: list[int], q: torch.Tensor | None, generator, greedy: bool) -> tuple[int, int]:

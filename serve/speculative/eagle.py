@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from baton.common.model import fuse_residual_norms
 from baton.kernels.linear_cpu import pack_linears
-from baton.serve.fusion import fuse_projections
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.fusion import fuse_projections
 from baton.serve.sampler import target_distribution
-from baton.serve.sequence import Sequence
+from baton.serve.speculative.base import Proposer
 from baton.serve.speculative.config import SpeculativeConfig
-from baton.serve.speculative.proposers import Proposer
 from baton.serve.speculative.tree import ScoredTree
 
 

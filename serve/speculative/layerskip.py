@@ -29,7 +29,7 @@ verification step runs ModelRunner.forward_late on every rank - no hidden state 
 and the fallback for a stale entry is the same _entry_fits check on every rank.
 
 Pipeline-parallel engines (layers < E and the LM head are on different stages) and token trees
-(tree_width > 1) keep the DraftProposer mirror (proposers.py), logged at start: a paged cache of
+(tree_width > 1) keep the DraftProposer mirror (draft.py), logged at start: a paged cache of
 layers < E of the draft's own, rolled back after each verification, which must also prefill every
 prompt through layers < E, and a verification that recomputes layers < E for the k proposals; a
 pipeline-parallel engine's process holds no whole model, so the checkpoint is loaded for it.
@@ -42,17 +42,16 @@ import logging
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import read_config
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
-from baton.serve.block_manager import BlockManager
-from baton.serve.model_runner import LateEntry, ModelRunner, kv_block_bytes
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.model_runner import LateEntry, ModelRunner, kv_block_bytes
+from baton.serve.runner.step_plan import Chunk, StepPlan
 from baton.serve.sampler import apply_penalties, target_distributions
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.block_manager import BlockManager
 from baton.serve.speculative.config import SpeculativeConfig
-from baton.serve.speculative.proposers import DraftProposer
-from baton.serve.step_plan import Chunk, StepPlan
+from baton.serve.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
 

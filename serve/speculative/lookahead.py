@@ -3,7 +3,7 @@
 Each sequence keeps a 2D window of guessed tokens, N - 1 levels of W positions: a Jacobi
 trajectory. Level 0's token j sits j + 1 places after the last real token, level l's l places
 further on. The window rides along in the verification pass as extra nodes of the token tree
-(serve/speculative/tree.py packs them; serve/attention.py masks them): level 0 is a chain, and
+(serve/speculative/tree.py packs them; serve/runner/attention.py masks them): level 0 is a chain, and
 level l's token j hangs under level l - 1's token j, so every window token attends to the cached
 prefix, the root, and the tokens before it on its own diagonal - the lookahead branch's mask.
 The target's prediction after the newest level's token j is one more Jacobi step; each step
@@ -24,10 +24,9 @@ import random
 from dataclasses import dataclass, field
 
 import torch
-
-from baton.serve.sequence import Sequence
+from baton.serve.core.sequence import Sequence
+from baton.serve.speculative.base import Proposer
 from baton.serve.speculative.config import SpeculativeConfig
-from baton.serve.speculative.proposers import Proposer
 from baton.serve.speculative.tree import trie
 
 

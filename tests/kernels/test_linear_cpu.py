@@ -8,15 +8,14 @@ import dataclasses
 
 import pytest
 import torch
-
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.kernels import linear_cpu
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import PackedLinear, linear_reference, pack_linears, pack_weight, packed_linear
-from baton.serve.model_runner import ModelRunner
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 from ..system import require
 

@@ -4,9 +4,8 @@ through the C++ decode kernel (a chunk's tokens as decode rows), elsewhere throu
 
 import pytest
 import torch
-
 from baton.kernels.reference import flash_attn_with_paged_prefix_ref, paged_attention_decode_ref
-from baton.serve.attention import AttentionMetadata, PagedAttention
+from baton.serve.runner.attention import AttentionMetadata, PagedAttention
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 8, 2, 64
 

@@ -6,10 +6,10 @@ a block hash that ignores its parent, MRU instead of LRU eviction, a ref count l
 
 from __future__ import annotations
 
-from baton.serve.block_manager import BlockManager, BlockOps
+from baton.serve.core.sequence import Sequence, SequenceStatus
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig
-from baton.serve.sequence import Sequence, SequenceStatus
+from baton.serve.scheduling.block_manager import BlockManager, BlockOps
+from baton.serve.scheduling.scheduler import Scheduler, SchedulerConfig
 
 BS = 4  # tokens per block in every test here
 

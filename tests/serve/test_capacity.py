@@ -5,13 +5,12 @@ afterwards, and no admitted request ever hits the scheduler's "no progress" path
 from __future__ import annotations
 
 import pytest
-
+from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
-from baton.common.checkpoint import save_model
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 from .test_fault_isolation import _rand, drive, pool_whole
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-import pytest
-
 import baton.serve.server as server_module
+import pytest
 from baton.common.cli import build_parser, main
 from baton.common.flags import _scalar_type
 from baton.serve.engine import EngineConfig
 from baton.serve.parallel.config import ParallelConfig
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 HAND = {"kv_cache_bytes": "--kv-cache-mb", "method": "--speculative"}  # fields whose flag has another unit/name

@@ -1,4 +1,4 @@
-"""The CPU step's layers run without the modules (serve/cpu_layers.py): bit for bit the modules'
+"""The CPU step's layers run without the modules (serve/runner/cpu_layers.py): bit for bit the modules'
 forward, K/V pools included, through chunked prefill over cached prefixes, decode rows and the
 last layer's sampled rows; and the modules again wherever the path does not apply."""
 
@@ -6,16 +6,15 @@ import dataclasses
 
 import pytest
 import torch
-
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
+from baton.common.rope import rotary_cos_sin
 from baton.kernels import linear_cpu
 from baton.kernels.cpu_extension import cpu_kernels
-from baton.common.rope import rotary_cos_sin
-from baton.serve.cpu_layers import CpuHead, CpuLayers
-from baton.serve.model_runner import ModelRunner
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.cpu_layers import CpuHead, CpuLayers
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 from ..system import require
 

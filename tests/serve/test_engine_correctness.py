@@ -6,13 +6,12 @@ from unittest import mock
 
 import pytest
 import torch
-
 from baton.common.checkpoint import load_checkpoint
 from baton.common.model import greedy_generate
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 from .conftest import BASE, FAMILIES, make_hf_checkpoint, run_staggered
 

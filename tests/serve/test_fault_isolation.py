@@ -12,14 +12,13 @@ import time
 import grpc
 import pytest
 import torch
-
 from baton.serve.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from baton.serve.client import BatonClient
+from baton.serve.core.faults import EngineFault, InjectedFault, injector_from_spec
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.faults import EngineFault, InjectedFault, injector_from_spec, pool_problem
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 from .conftest import BASE
 from .server_fixtures import ServerProcess, ServerThread, offline
@@ -71,7 +70,7 @@ def drive(engine: LLMEngine, plan, per_step=None) -> dict:
             if out.finished:
                 finals[out.request_id] = out
         s = engine.scheduler
-        assert pool_problem(engine.block_manager, s.running + s.waiting + s.swapped) is None
+        assert engine.block_manager.problem(s.running + s.waiting + s.swapped) is None
         assert len(s.running) <= s.config.max_num_seqs
         if per_step is not None:
             per_step(step, outs)

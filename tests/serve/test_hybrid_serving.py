@@ -13,18 +13,16 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from baton.common.config import ConfigError
 from baton.common.hf import import_hf
+from baton.serve.core.faults import injector_from_spec
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.faults import injector_from_spec
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 from .conftest import run_staggered_logprobs
-
 
 # Four layers, mixers at 0 and 2, attention at 1 and 3; mamba chunk 8, so prompts span several chunks.
 HF_KW = dict(
@@ -247,8 +245,8 @@ def test_refused_at_start_up_with_the_reason(bamba, kw, words):
 
 def test_state_slots_are_counted_against_the_kv_budget(bamba):
     """One budget: running slots (max_num_seqs), then snapshots (a quarter at most), the rest blocks."""
-    from baton.serve.model_runner import kv_block_bytes
-    from baton.serve.state_pool import state_slot_bytes
+    from baton.serve.engine.sizing import state_slot_bytes
+    from baton.serve.runner.model_runner import kv_block_bytes
 
     budget = 1_000_000
     eng = engine(bamba[0], num_kv_blocks=None, kv_cache_bytes=budget, scheduler=SchedulerConfig(max_num_seqs=8))
@@ -263,9 +261,9 @@ def test_state_slots_are_counted_against_the_kv_budget(bamba):
 
 def test_snapshots_are_bounded_and_evicted_with_their_blocks():
     """A snapshot lives as long as the cached block where its prefix ends, and the pool of them is bounded."""
-    from baton.serve.block_manager import BlockManager
-    from baton.serve.sequence import Sequence
-    from baton.serve.state_pool import StateSlots
+    from baton.serve.core.sequence import Sequence
+    from baton.serve.scheduling.block_manager import BlockManager
+    from baton.serve.scheduling.state_slots import StateSlots
 
     states = StateSlots(num_slots=2, num_snapshots=3)
     bm = BlockManager(4, 4, True, 0, states)

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import psutil
 import torch
-
 from baton.common.config import ModelConfig
 from baton.serve import kv_budget
-from baton.serve.kv_budget import activation_reserve, kv_budget_bytes
+from baton.serve.runner.kv_budget import activation_reserve, kv_budget_bytes
 
 CFG = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
 SIZES = dict(kv_cache_fraction=0.5, gpu_memory_utilization=0.9, max_num_batched_tokens=256, max_num_seqs=8, elem=4)

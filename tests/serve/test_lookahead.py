@@ -5,10 +5,9 @@ preemption, prefix caching and the sampled distribution are in test_speculative.
 from __future__ import annotations
 
 import torch
-
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig
 from baton.serve.speculative.lookahead import LookaheadProposer
 

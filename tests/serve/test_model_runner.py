@@ -8,16 +8,15 @@ import random
 
 import pytest
 import torch
-
 from baton.common.config import ModelConfig
 from baton.common.model import DecoderLayer, build_model
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
-from baton.serve.input_batch import InputBatch
-from baton.serve.model_runner import DECODE_ROWS, ModelRunner
+from baton.serve.runner.input_batch import InputBatch
+from baton.serve.runner.model_runner import DECODE_ROWS, ModelRunner
+from baton.serve.runner.step_plan import Chunk, StepPlan
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.sequence import Sequence
-from baton.serve.step_plan import Chunk, StepPlan
+from baton.serve.scheduling.scheduler import SchedulerConfig
 
 CFG = ModelConfig(
     vocab_size=128,

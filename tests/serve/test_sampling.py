@@ -6,13 +6,12 @@ import math
 
 import pytest
 import torch
-
 from baton.kernels import argmax
 from baton.kernels.cpu_extension import cpu_kernels
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampler import apply_penalties, sample, target_distribution, target_distributions, truncate
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 
 from ..system import require
 from .conftest import BASE, make_hf_checkpoint

@@ -11,14 +11,13 @@ import sys
 
 import pytest
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampler import sample, target_distribution
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig
 
 I32, I64 = 2**31 - 1, 2**63 - 1

@@ -4,12 +4,11 @@ aging prevents starvation, and the KV pool is sized from a byte budget."""
 from __future__ import annotations
 
 import pytest
-
-from baton.serve.block_manager import BlockManager
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import Scheduler, SchedulerConfig
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.block_manager import BlockManager
+from baton.serve.scheduling.scheduler import Scheduler, SchedulerConfig
 
 from .conftest import make_hf_checkpoint
 

@@ -8,7 +8,6 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-
 from baton.serve import proto
 from baton.serve.admission import Admission
 from baton.serve.kserve_tensors import decode_bytes, encode_bytes
@@ -136,8 +135,8 @@ def test_server_info_has_every_field_from_the_engine_stats_or_the_server():
     import typing
 
     from baton.serve.baton_service import server_info_fields
+    from baton.serve.core.stats import EngineStats
     from baton.serve.runtime import Limits, Runtime
-    from baton.serve.stats import EngineStats
 
     rt = Runtime("tiny", Limits())
     names = [f.name for f in dataclasses.fields(EngineStats)]

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.config import ModelConfig
 from baton.common.eagle import EagleConfig, EagleHead, save_eagle
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
 from baton.common.model import build_model, greedy_generate
+from baton.serve.core.sequence import Sequence
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpecStats, SpeculativeConfig
 from baton.serve.speculative.decoder import choose
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pickle
 import random
 
+from baton.serve.core.sequence import Sequence
+from baton.serve.runner.step_plan import StepPlan, TableReceiver, TableSender, plan_chunks, split_for_pipeline
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
-from baton.serve.step_plan import StepPlan, TableReceiver, TableSender, plan_chunks, split_for_pipeline
 
 BS = 4
 

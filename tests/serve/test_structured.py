@@ -14,16 +14,15 @@ import pytest
 import torch
 import transformers
 import xgrammar as xgr
-
 from baton.serve import proto
 from baton.serve.client import BatonClient
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.structured import StructuredOutputs
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.grammar import json_schema_ebnf, mask_logits, prune_proposals
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
-from baton.serve.structured import StructuredOutputs
 
 SCHEMAS = {
     "required": {

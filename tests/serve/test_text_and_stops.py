@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from baton.common.tokenizer import train_bpe
-from baton.serve.detokenizer import IncrementalDetokenizer
+from baton.serve.core.detokenizer import IncrementalDetokenizer
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import math
 
+import baton.serve.runner.attention as attention
+import baton.serve.runner.step_plan as step_plan
+import baton.serve.speculative.decoder as decoder
 import pytest
 import torch
-
-import baton.serve.attention as attention
-import baton.serve.speculative.decoder as decoder
-import baton.serve.step_plan as step_plan
 from baton.common.model import greedy_generate
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.token_tree import ancestor_mask
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.sequence import Sequence
 from baton.serve.speculative import SpeculativeConfig
-from baton.serve.speculative.tree import ScoredTree, ancestor_mask, choice_tree, parse_choices, trie
+from baton.serve.speculative.tree import ScoredTree, choice_tree, parse_choices, trie
 
 from .conftest import run_staggered
 from .test_speculative import models  # noqa: F401 (the module's checkpoints: target, agreeing draft, Medusa heads)

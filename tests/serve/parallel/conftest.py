@@ -7,13 +7,12 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-
-from baton.serve.block_manager import BlockOps
 from baton.serve.engine import LLMEngine
 from baton.serve.llm import LLM
 from baton.serve.outputs import RequestOutput
 from baton.serve.parallel.executor import DistributedRunner
 from baton.serve.sampling_params import SamplingParams
+from baton.serve.scheduling.block_manager import BlockOps
 
 LAYOUTS = {"T2": (2, 1), "P2": (1, 2), "T2xP2": (2, 2)}
 

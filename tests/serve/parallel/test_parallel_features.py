@@ -24,7 +24,6 @@ import shutil
 
 import pytest
 import torch
-
 from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.config import ModelConfig
 from baton.common.medusa import MedusaConfig, MedusaHeads, save_medusa
@@ -32,7 +31,7 @@ from baton.common.model import build_model, greedy_generate
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.parallel.loader import weight_bytes
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 from .conftest import Arrival, OpsSpy, check_really_sharded, drive, random_prompts, sharded, tokens

@@ -11,15 +11,14 @@ some layers only), routed experts."""
 from __future__ import annotations
 
 import pytest
-from safetensors import safe_open
-
 from baton.common.checkpoint import read_config, weight_files
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import weight_bytes
 from baton.serve.parallel.shard import ExpertParallelMoE
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
+from safetensors import safe_open
 
 from ..conftest import make_hf_checkpoint, run_staggered
 from .conftest import check_really_sharded, hf_greedy, random_prompts, sharded

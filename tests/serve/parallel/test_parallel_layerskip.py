@@ -9,16 +9,14 @@ swapped sequences' entries no longer fit their slots). Pipeline stages keep the 
 
 from __future__ import annotations
 
-
 import pytest
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.parallel.loader import weight_bytes
 from baton.serve.sampling_params import SamplingParams
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 from .conftest import Arrival, check_really_sharded, drive, sharded, tokens

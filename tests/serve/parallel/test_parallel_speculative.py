@@ -7,10 +7,9 @@ different steps, a repetitive one among them."""
 from __future__ import annotations
 
 import pytest
-
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.parallel.loader import weight_bytes
-from baton.serve.scheduler import SchedulerConfig
+from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 
 from .conftest import check_really_sharded, drive, sharded, tokens

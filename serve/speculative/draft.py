@@ -1,68 +1,19 @@
-"""Proposers: each sets seq.spec_token_ids for the sequences it is given (seq.spec_parents for a
-token tree, seq.spec_draft_probs when it sampled them); serve/speculative/__init__.py lists them."""
+"""Draft-model proposals: a small model with its own paged KV cache proposes k tokens, a chain or
+EAGLE-2's dynamic tree over the draft's top-k."""
 
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
-import numpy as np
+
 import torch
-
-from baton.serve.block_manager import BlockManager
-from baton.serve.model_runner import ModelRunner
+from baton.serve.core.sequence import Sequence
+from baton.serve.core.token_tree import clear_speculation
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampler import target_distribution
-from baton.serve.sequence import Sequence
+from baton.serve.scheduling.block_manager import BlockManager
+from baton.serve.speculative.base import Proposer
 from baton.serve.speculative.config import SpeculativeConfig
-from baton.serve.speculative.tree import ScoredTree, choice_tree, clear_speculation, parse_choices
-
-
-class Proposer:
-    """A proposal method, as the decoder drives it (the defaults: a proposer that keeps nothing)."""
-
-    wants_hidden = False  # True: observe() is given the target's final hidden state of each new token (Medusa)
-    max_model_len = 1 << 62  # the context every proposal's rows must fit in (the decoder sets it)
-
-    def bind(self, runner: ModelRunner, block_manager: BlockManager) -> None:
-        """The engine's model runner and block manager (LayerSkip's draft writes its K/V there)."""
-
-    def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
-        """Propose at most ks[seq.seq_id] tokens deep for each sequence (or nothing)."""
-        raise NotImplementedError
-
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """The hidden state that produced seq's last token (only when wants_hidden)."""
-
-    def observe_path(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """After a verification, hidden [n, H] of the root and each accepted proposal in order (the
-        last produced seq's last token; EAGLE keeps them all); by default only the last is observed."""
-        self.observe(seq, hidden[-1])
-
-    def window_rows(self, seq: Sequence) -> int:
-        """How many of seq's last proposals are not candidates but rows the proposer itself needs
-        computed in the verification pass (lookahead's Jacobi window)."""
-        return 0
-
-    def window_logits(self, seq: Sequence, logits: torch.Tensor) -> None:
-        """The target's logits of those window rows, after verification (seq still running)."""
-
-    def release(self, seq: Sequence) -> None:
-        """seq is done (finished, aborted or failed): drop what is kept for it."""
-
-
-class NgramProposer(Proposer):
-    def __init__(self, cfg: SpeculativeConfig):
-        self.cfg = cfg
-
-    def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
-        for seq in seqs:
-            toks = np.asarray(seq.token_ids)
-            for n in range(min(self.cfg.ngram_max, len(toks) - 1), self.cfg.ngram_min - 1, -1):
-                windows = np.lib.stride_tricks.sliding_window_view(toks[:-1], n)
-                hits = np.nonzero((windows == toks[-n:]).all(axis=1))[0]
-                if len(hits):
-                    start = int(hits[-1]) + n
-                    seq.spec_token_ids = toks[start : start + ks[seq.seq_id]].tolist()
-                    break
+from baton.serve.speculative.tree import ScoredTree
 
 
 class DraftProposer(Proposer):
@@ -203,87 +154,3 @@ class DraftProposer(Proposer):
         m = self.mirrors.pop(seq.seq_id, None)
         if m is not None:
             self.bm.free(m)
-
-
-class MedusaProposer(Proposer):
-    """Top-k of each Medusa head, read from the hidden state that produced the last token. A tree
-    is their Cartesian product (head d's candidates at depth d + 1), either a fixed topology
-    (tree_choices, Medusa's `medusa_choices`) or EAGLE-2's dynamic rule by the product of the
-    heads' probabilities along the path (tree_width, tree_nodes)."""
-
-    wants_hidden = True
-
-    def __init__(self, cfg: SpeculativeConfig, model_dir: str | Path, device, dtype):
-        from baton.common.medusa import load_medusa
-
-        self.cfg = cfg
-        self.heads = load_medusa(model_dir, device, dtype)
-        self.hidden: dict[int, torch.Tensor] = {}
-        self.choices = parse_choices(cfg.tree_choices) if cfg.tree_choices is not None else None
-        num_heads = len(self.heads.heads)
-        if self.choices is not None and max(len(p) for p in self.choices) > num_heads:
-            raise ValueError(f"tree_choices goes deeper than the checkpoint's {num_heads} Medusa heads")
-
-    def observe(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        self.hidden[seq.seq_id] = hidden
-
-    @torch.inference_mode()
-    def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
-        ready = [s for s in seqs if s.seq_id in self.hidden]
-        if not ready:
-            return
-        logits = self.heads(torch.stack([self.hidden[s.seq_id] for s in ready])).float().cpu()  # [heads, B, V]
-        width = max(self.cfg.tree_width, 1 + max((max(p) for p in self.choices or [(0,)])))
-        top = torch.topk(logits, width, dim=-1).indices  # [heads, B, width]
-        for b, s in enumerate(ready):
-            depth = min(ks[s.seq_id], logits.shape[0])
-            if self.choices is not None:
-                s.spec_token_ids, s.spec_parents = choice_tree(self.choices, [top[h, b].tolist() for h in range(depth)])
-            elif width == 1:
-                s.spec_token_ids = top[:depth, b, 0].tolist()
-            else:
-                s.spec_token_ids, s.spec_parents = self._dynamic(torch.softmax(logits[:depth, b], -1))
-
-    def _dynamic(self, probs: torch.Tensor) -> tuple[list[int], list[int]]:
-        """probs [depth, V]: every node at depth d has head d's candidates as children."""
-        t = ScoredTree(self.cfg.tree_width)
-        frontier = t.expand(-1, probs[0])
-        for d in range(1, probs.shape[0]):
-            frontier = [c for i in t.frontier(frontier) for c in t.expand(i, probs[d])]
-        return t.select(self.cfg.node_budget)
-
-    def release(self, seq: Sequence) -> None:
-        self.hidden.pop(seq.seq_id, None)
-
-
-def make_proposer(
-    cfg: SpeculativeConfig,
-    model_dir: str | Path | None,
-    vocab: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    model: torch.nn.Module | None = None,
-) -> Proposer:
-    """`model`: the engine's own model, when this process holds it (layerskip drafts with it)."""
-    cfg.validate()
-    if cfg.method == "ngram":
-        return NgramProposer(cfg)
-    if cfg.method == "draft":
-        return DraftProposer(cfg, vocab, device, dtype)  # the draft runs where the target runs
-    if cfg.method == "lookahead":
-        from baton.serve.speculative.lookahead import LookaheadProposer
-
-        return LookaheadProposer(cfg)
-    if cfg.method == "layerskip":
-        from baton.serve.speculative.layerskip import LayerSkipProposer
-
-        return LayerSkipProposer(cfg, model, model_dir, device, dtype)
-    if cfg.method == "eagle":
-        from baton.serve.speculative.eagle import EagleProposer
-
-        if model_dir is None:
-            raise ValueError("EAGLE needs the checkpoint directory holding eagle.safetensors")
-        return EagleProposer(cfg, model_dir, device, dtype)
-    if model_dir is None:
-        raise ValueError("Medusa needs the checkpoint directory holding medusa.safetensors")
-    return MedusaProposer(cfg, model_dir, device, dtype)

@@ -205,7 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
     if launch is not None or engine.parallel.world_size > 1:  # every rank refuses a bad layout alike, at once
         check_layout(args.model, engine.parallel, args.device, launch)
     if launch is not None and launch.rank > 0:
-        from baton.serve.parallel.executor import worker_main
+        from baton.serve.parallel.worker import worker_main
 
         local = (launch.local_rank, launch.local_world_size)
         worker_main(

@@ -70,7 +70,7 @@ class LLMEngine:
         runner: ModelRunner | None = None,
     ):
         """`model` runs in this process; or pass a `runner` that already holds the model and its
-        pools (serve/parallel/executor.py's DistributedRunner: the model is sharded over ranks)."""
+        pools (serve/parallel/driver.py's DistributedRunner: the model is sharded over ranks)."""
         self.config = config = config or EngineConfig()
         config.validate()
         self.model, self.tokenizer = model, tokenizer

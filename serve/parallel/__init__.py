@@ -3,7 +3,10 @@
 config.py    ParallelConfig (vLLM's names) and the checks that refuse a layout before any process starts
 shard.py     shard_model(): a rank's part of the model, cut from outside the shared definition
 loader.py    load_shard(): that part read slice by slice from the safetensors files
-executor.py  DistributedRunner (the driver's model runner) and worker_main (every other rank)
+driver.py    DistributedRunner: the driver's Runner, every step run on all ranks
+worker.py    worker_main (every other rank) and what the driver shares with it
+draft.py     LayerSkip's draft pass across ranks
+comm.py      the shared-memory tensor-parallel group for ranks on one CPU host
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def check_layout(path: str | Path, par: ParallelConfig, device: str, launch: Lau
 
 def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torch.dtype | None = None):
     """The driver side: check, spawn (or join) the workers, load every shard; the DistributedRunner."""
-    from baton.serve.parallel.executor import DistributedRunner, KVSizing, Setup
+    from baton.serve.parallel.driver import DistributedRunner
+    from baton.serve.parallel.worker import KVSizing, Setup
 
     par = config.parallel
     launch = launched_rank()

@@ -6,7 +6,7 @@ its own paged cache at the rows' real slots, runs the shared final norm and the 
 head (an all-gather: the driver gets the full logits and draws the next token), and records each
 row's layer-E input - replicated on every tensor rank, since each layer ends in an all-reduce - as
 a LateEntry in its own runner. The next step then runs ModelRunner.forward_late on every rank
-(executor._stage): the drafted rows enter at E from the states each rank kept, so no hidden state
+(worker.run_stage): the drafted rows enter at E from the states each rank kept, so no hidden state
 crosses a process. Entries are only ever used by the next step, for the same tokens at the same
 slots (ModelRunner._entry_fits), exactly as in a single process; every rank decides alike since
 it sees the same commands.

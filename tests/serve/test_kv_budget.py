@@ -7,7 +7,7 @@ from __future__ import annotations
 import psutil
 import torch
 from baton.common.config import ModelConfig
-from baton.serve import kv_budget
+from baton.serve.runner import kv_budget
 from baton.serve.runner.kv_budget import activation_reserve, kv_budget_bytes
 
 CFG = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)

@@ -10,7 +10,7 @@ import torch
 from baton.serve.engine import LLMEngine
 from baton.serve.llm import LLM
 from baton.serve.outputs import RequestOutput
-from baton.serve.parallel.executor import DistributedRunner
+from baton.serve.parallel.driver import DistributedRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.block_manager import BlockOps
 

@@ -83,7 +83,7 @@ def test_int4_layout_that_cuts_a_group_is_refused_before_any_process(tmp_path_fa
     assert str(err.value).startswith(
         "the MLP input (96) split 2 ways is 48 columns, not whole int4 quantization groups of 32"
     )
-    # Refused by start_distributed's layout check: the executor (which spawns the workers) never ran.
+    # Refused by start_distributed's layout check: the driver (which spawns the workers) never ran.
     assert any(e.name == "check_layout" for e in err.traceback)
-    assert not [e for e in err.traceback if str(e.path).endswith("executor.py")]
+    assert not [e for e in err.traceback if str(e.path).endswith("driver.py")]
     assert {p.pid for p in psutil.Process().children(recursive=True)} == before

@@ -34,7 +34,14 @@ log = logging.getLogger(__name__)
 NAME = "baton_cpu_kernels"
 SOURCES = [
     Path(__file__).resolve().parent / "csrc" / f
-    for f in ("bindings.cpp", "paged_decode_cpu.cpp", "elementwise_cpu.cpp", "argmax_cpu.cpp", "decoder_cpu.cpp", "gemm_cpu.cpp")
+    for f in (
+        "bindings.cpp",
+        "paged_decode_cpu.cpp",
+        "elementwise_cpu.cpp",
+        "argmax_cpu.cpp",
+        "decoder_cpu.cpp",
+        "gemm_cpu.cpp",
+    )
 ]
 # included by the sources, so in the build folder's source hash too
 HEADERS = [Path(__file__).resolve().parent / "csrc" / h for h in ("simd_cpu.h", "cpu_kernels.h")]
@@ -44,8 +51,8 @@ FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def build_directory() -> Path:
-    """One folder per Python, torch, CPU feature set and source text, under torch's extensions root,
-    so a home directory shared between machines, venvs or checkouts of different versions never
+    """One folder per Python, torch, CPU feature set and source (its text and its folder), under
+    torch's extensions root, so a home directory shared between machines, venvs or checkouts never
     loads (or rebuilds over) a build made for another: two checkouts would otherwise rebuild the
     same folder back and forth, each waiting on the other's lock."""
     try:
@@ -56,7 +63,10 @@ def build_directory() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    src = hashlib.sha1(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:8]
+    # the sources' folder too: torch's build.ninja names them by path, so two checkouts of the same
+    # text sharing one folder would still rebuild it back and forth
+    text = str(SOURCES[0].parent).encode() + b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    src = hashlib.sha1(text).hexdigest()[:8]
     py, version = f"{sys.version_info.major}{sys.version_info.minor}", torch.__version__.split("+")[0]
     tag = f"py{py}-torch{version}-cpu{cpu}-src{src}-flock"  # -flock: built under builder_lock only
     return root / f"{NAME}-{tag}"

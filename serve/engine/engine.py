@@ -1,9 +1,12 @@
 """LLMEngine: requests in, one scheduled model step at a time, outputs out (vLLM's shape).
 
-step() = schedule (continuous batching; serve/scheduling/scheduler.py) -> execute the packed batch
-(serve/runner/model_runner.py) -> postprocess: book the computed KV, verify speculative proposals
-(serve/speculative/), sample, append tokens, detokenize, check stop conditions -> retire finished
-sequences (freeing blocks).
+step() = schedule (continuous batching; serve/scheduling/) -> execute the packed batch on the
+Runner (serve/runner/interface.py) -> postprocess: book the computed KV, verify speculative
+proposals (serve/speculative/), sample, and hand each token to the OutputProcessor (append,
+detokenize, stop conditions; serve/engine/output.py) -> retire finished sequences (freeing
+blocks). The pipelined step keeps up to the runner's max_in_flight batches submitted. What the
+engine's features cannot be combined with is checked once, before anything is built
+(serve/engine/rules.py); the pools are sized by serve/engine/sizing.py.
 
 A request can fail only itself. A raise in one sequence's work (proposal, sampling, appending,
 detokenizing, stop checks, verification, output building) retires that request through the
@@ -11,13 +14,10 @@ scheduler (its blocks are free at once) and step() reports it: a final RequestOu
 and finish_reason "error" (AsyncLLMEngine raises RequestFailedError in that stream only). Batched
 proposals/sampling that raise are retried per sequence (a seeded draw made before the raise is
 drawn again); a raising forward fails exactly its batch. Then the KV pools are recounted
-(serve/core/faults.py): only a count that does not add up, or a raise while failing a request, escapes
-step() as EngineFault - the engine is dead. Admission refuses what could never be scheduled; if
-the scheduler still makes no progress, the request at the head of the queue fails.
-
-Hybrid models (Bamba: Mamba2 mixers + attention) get recurrent-state slots beside the KV pool
-(serve/runner/state_pool.py), counted against the same byte budget; check_hybrid there says what they
-cannot be combined with yet.
+(BlockManager.problem, serve/core/faults.py): only a count that does not add up, or a raise while
+failing a request, escapes step() as EngineFault - the engine is dead. Admission refuses what
+could never be scheduled; if the scheduler still makes no progress, the request at the head of
+the queue fails.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import torch
 from baton.common.checkpoint import read_config
 from baton.common.model import CausalLM
 from baton.common.tokenizer import Tokenizer
-from baton.serve.core.detokenizer import IncrementalDetokenizer
 from baton.serve.core.faults import EngineFault, FaultInjector, injector_from_env, per_sequence
 from baton.serve.core.request_state import RequestState
 from baton.serve.core.sequence import Sequence, SequenceStatus
 from baton.serve.core.stats import EngineStats
 from baton.serve.engine.config import EngineConfig
+from baton.serve.engine.output import OutputProcessor
 from baton.serve.engine.rules import check as check_rules
 from baton.serve.engine.sizing import plan_pools
 from baton.serve.grammar import GrammarCache, prune_proposals
@@ -104,9 +104,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
-        self.eos_ids = self._eos_ids()
-        self.grammars = GrammarCache(tokenizer, self.vocab_size, self.eos_ids)  # structured outputs
-        self.num_generated_tokens = 0
+        eos_ids = self._eos_ids()
+        self.output = OutputProcessor(tokenizer, eos_ids, self.max_model_len, config.streaming, self._retire)
+        self.grammars = GrammarCache(tokenizer, self.vocab_size, eos_ids)  # structured outputs
         self.fault_injector: FaultInjector | None = injector_from_env()  # tests: (point, seq) -> may raise
         self._failed: list[RequestState] = []  # failed during the current step, which reports them
         self.speculative: SpeculativeDecoder | None = None
@@ -228,15 +228,34 @@ class LLMEngine:
             ids,
             params,
             [seq],
-            [self._detok(params)],
+            [self.output.detokenizer(params)],
             [""],
             [0],
             final_only=final_only,
         )
         self.scheduler.add(seq)
 
-    def _detok(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.output.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.output.eos_ids = ids
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.output.num_generated_tokens
+
+    def _append(self, req: RequestState, seq: Sequence, result: SampleResult, now: float) -> None:
+        if self.fault_injector is not None:
+            self.fault_injector("postprocess", seq)
+        self.output.append(req, seq, result, now)
+
+    def _place(self, parent: Sequence, child: Sequence) -> None:
+        """A forked sample beside its parent: blocks shared, running (its slot was reserved with the parent)."""
+        self.block_manager.fork(parent, child)
+        self.scheduler.running.append(child)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.pop(request_id, None)
@@ -382,7 +401,7 @@ class LLMEngine:
                 elif not seq.is_finished:
                     group = [seq]
                     if seq.num_output_tokens == 0 and seq.index == 0 and req.params.n > 1 and len(req.seqs) == 1:
-                        group += self._fork(req, seq)
+                        group += self.output.fork(req, seq, self._seq_ids, self._place)
                     if hidden is not None:
                         spec.observe(group, hidden[row])
                     rows += [row] * len(group)
@@ -464,82 +483,3 @@ class LLMEngine:
                 f"{self.block_manager.num_free_blocks} free) cannot hold this request's next step"
             ),
         )
-
-    # ------------------------------------------------------------------------------ tokens
-    def _fork(self, req: RequestState, parent: Sequence) -> list[Sequence]:
-        """n > 1: the other samples share the parent's prompt blocks (copy-on-write)."""
-        children = []
-        for i in range(1, req.params.n):
-            child = Sequence(
-                next(self._seq_ids),
-                req.request_id,
-                i,
-                req.prompt_token_ids,
-                req.params,
-                parent.priority,
-                parent.arrival_time,
-                token_ids=list(parent.token_ids),
-                num_computed_tokens=parent.num_computed_tokens,
-                status=SequenceStatus.RUNNING,
-            )
-            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-            child.make_generator()
-            child.grammar = parent.grammar.fork() if parent.grammar is not None else None
-            detok = self._detok(req.params)
-            self.block_manager.fork(parent, child)
-            self.scheduler.running.append(child)  # (its slot was reserved when the parent was admitted)
-            req.seqs.append(child)
-            req.detoks.append(detok)
-            req.emitted_text.append("")
-            req.reported_tokens.append(0)
-            children.append(child)
-        return children
-
-    def _append(self, req: RequestState, seq: Sequence, result: SampleResult, now: float) -> None:
-        if self.fault_injector is not None:
-            self.fault_injector("postprocess", seq)
-        token = result.token_id
-        seq.token_ids.append(token)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
-        self.num_generated_tokens += 1
-        if result.logprobs is not None:
-            seq.logprobs.append(result.logprobs)
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        detok = req.detoks[seq.index]
-        if detok is not None:
-            detok.add(token)
-            seq.output_text = detok.text
-        p = seq.params
-        if token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
-        elif token in self.eos_ids and not p.ignore_eos:
-            self._finish(seq, "stop", None)
-        elif seq.grammar is not None and seq.grammar.terminated:  # the structure is complete
-            self._finish(seq, "stop", None)
-        elif p.stop and self._check_stop_strings(seq):
-            pass
-        elif seq.num_output_tokens >= p.max_tokens:
-            self._finish(seq, "length", None)
-        elif not self.config.streaming and seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length", None)
-
-    def _check_stop_strings(self, seq: Sequence) -> bool:
-        text = seq.output_text
-        for stop in seq.params.stop:
-            at = text.find(stop)
-            if at >= 0:
-                seq.output_text = text[: at + len(stop)] if seq.params.include_stop_str_in_output else text[:at]
-                self._finish(seq, "stop", stop)
-                return True
-        return False
-
-    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
-        detok = self.requests[seq.request_id].detoks[seq.index]
-        if detok is not None and not isinstance(stop_reason, str):  # stop strings already cut the text
-            detok.flush()
-            seq.output_text = detok.text
-        seq.stop_reason = stop_reason
-        seq.metrics.finished_time = time.monotonic()
-        self._retire(seq, reason)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,3 +134,20 @@ def test_swiglu_matches_the_torch_reference_on_the_fused_projection_halves(dtype
     torch.testing.assert_close(m.swiglu(gate.contiguous(), up.contiguous()), want, **tol)
     if dtype == torch.bfloat16:  # the bf16 result is the float32 kernel's on the same values, rounded by torch
         assert torch.equal(got, m.swiglu(gate.float(), up.float()).to(dtype))
+
+
+def test_two_checkouts_of_the_same_sources_build_in_two_folders(tmp_path, monkeypatch):
+    """torch's build.ninja names the sources by path: two checkouts sharing one folder would rebuild
+    it back and forth (each load seeing the other's paths), so the folder depends on where they are."""
+    import shutil
+
+    from baton.kernels import cpu_extension as ce
+
+    folders = []
+    for checkout in ("a", "b"):
+        csrc = Path(shutil.copytree(ce.SOURCES[0].parent, tmp_path / checkout / "csrc"))
+        monkeypatch.setattr(ce, "SOURCES", [csrc / p.name for p in ce.SOURCES])
+        monkeypatch.setattr(ce, "HEADERS", [csrc / p.name for p in ce.HEADERS])
+        folders.append(ce.build_directory())
+        assert ce.build_directory() == folders[-1]  # the same checkout: the same folder
+    assert folders[0] != folders[1] and folders[0].parent == folders[1].parent

@@ -16,18 +16,22 @@ worker is killed.
 
 from __future__ import annotations
 
+import ast
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from baton.common.config import ModelConfig
+from baton.common.errors import UserError
 from baton.serve.core.sequence import Sequence
 from baton.serve.parallel.comm import pid_running
 from baton.serve.parallel.config import ParallelConfig
@@ -59,6 +63,34 @@ from baton.serve.scheduling.block_manager import BlockOps
 log = logging.getLogger(__name__)
 
 
+def _is_main_test(test: ast.expr) -> bool:
+    """`__name__ == "__main__"`, either way round."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = {ast.unparse(test.left), ast.unparse(test.comparators[0])}
+    return sides in ({"__name__", "'__main__'"}, {"__name__", '"__main__"'})
+
+
+def check_main_guard() -> None:
+    """Spawned workers import the main script again (as __mp_main__, as multiprocessing's spawn
+    does): a script that starts the engine at its top level, with no `if __name__ == "__main__":`,
+    would start it again in every worker, which fails there with Python's bootstrapping message and
+    here as a worker that exited before joining. Say what to do instead, before anything starts."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py"):  # interactive, -c, a console script: nothing is re-run
+        return
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return
+    if not any(isinstance(node, ast.If) and _is_main_test(node.test) for node in tree.body):
+        raise UserError(
+            f'{path} starts tensor/pipeline-parallel serving but has no `if __name__ == "__main__":` guard: '
+            "the workers are spawned processes that import the script again, so put the code that creates "
+            "the LLM (or engine) under that guard"
+        )
+
+
 @dataclass
 class InFlight:
     """A submitted step: what collect() needs to finish it."""
@@ -83,6 +115,7 @@ class DistributedRunner:
         self.store: dist.Store | None = None
         timeout = timedelta(seconds=par.distributed_timeout_s)
         if init_method is None:  # local: spawn the workers on this host, rendezvous at our own store
+            check_main_guard()
             local_world = world
             # port 0: the OS picks a free port as the store binds it (no race with other jobs)
             self.store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
@@ -222,6 +255,9 @@ class DistributedRunner:
 
     def release(self, seq_id: int) -> None:
         self.tables.release(seq_id)  # the workers forget it with the next step
+
+    def keep_state(self, seq_id: int, num_accepted: int) -> None:
+        """Sharded models keep no recurrent state: hybrids are served on one process (serve/engine/rules.py)."""
 
     def move_slots(self, src: list[int], dst: list[int]) -> None:
         if not src:

@@ -27,7 +27,6 @@ from baton.common.rope import rotary_cos_sin
 from baton.serve.core.sequence import Sequence
 from baton.serve.runner.attention import AttentionMetadata
 from baton.serve.runner.model_runner import ExecuteResult, ModelRunner
-from baton.serve.runner.step_plan import plan_chunks
 
 
 class ConfidenceExit:
@@ -61,7 +60,7 @@ class ConfidenceExit:
     ) -> ExecuteResult:
         r = self.runner
         plan, groups = r.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
-        chunks, _ = plan_chunks(scheduled)
+        chunks = plan.chunks
         fed_generated = {s.seq_id for s, n in scheduled if n == 1 and s.num_output_tokens > 0}
         eligible, row = [], 0
         for c in chunks:  # packing order: single-token decode rows come first

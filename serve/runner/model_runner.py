@@ -39,7 +39,7 @@ from baton.serve.runner.cpu_layers import bind_head as bind_cpu_head
 from baton.serve.runner.fusion import fuse_projections
 from baton.serve.runner.input_batch import InputBatch
 from baton.serve.runner.state_pool import PagedHybridAttention, Segment, StatePool
-from baton.serve.runner.step_plan import DECODE_ROWS, Chunk, StepPlan, plan_chunks
+from baton.serve.runner.step_plan import DECODE_ROWS, Chunk, StepPlan
 from baton.serve.scheduling.block_manager import BlockOps
 from baton.serve.scheduling.state_slots import StateSlots
 
@@ -341,11 +341,11 @@ class ModelRunner:
         """Run the step (hidden states are returned only with return_hidden)."""
         plan, groups = self.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
         if self.state_slots is not None:
-            self._begin_states(scheduled)
+            self._begin_states(plan)
         entries, self.late_entries = self.late_entries, {}
         try:
             if entries:
-                x = self.forward_late(plan, plan_chunks(scheduled)[0], entries, positions_in_cache)
+                x = self.forward_late(plan, plan.chunks, entries, positions_in_cache)
             else:
                 x = self.forward(plan, sampled_only=self.answer_sampled_rows)
         finally:
@@ -367,11 +367,11 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing was started: the pools go with the runner."""
 
-    def _begin_states(self, scheduled: list[tuple[Sequence, int]]) -> None:
+    def _begin_states(self, plan: StepPlan) -> None:
         """The mixers' view of the step: each chunk's rows and slot (zeroed for a sequence's first
         chunk), in the plan's packing order."""
         slots, segments, fresh, row = self.state_slots, [], [], 0
-        for c in plan_chunks(scheduled)[0]:
+        for c in plan.chunks:
             slot, n = slots.slot_of[c.seq_id], len(c.tokens)
             if c.start == 0:
                 fresh.append(slot)

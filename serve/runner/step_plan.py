@@ -75,6 +75,7 @@ class StepPlan:
     window_in_cache: bool = True
     sample_rows: list[int] = field(default_factory=list)
     return_hidden: bool = False
+    chunks: list[Chunk] = field(default_factory=list)  # what the plan was built from, in packing order
 
     @property
     def num_tokens(self) -> int:
@@ -104,7 +105,7 @@ class StepPlan:
     ) -> StepPlan:
         """The plan of chunks already in packing order (what a worker rebuilds from the wire)."""
         bs = block_size
-        plan = cls(window_in_cache=window_in_cache, return_hidden=return_hidden)
+        plan = cls(window_in_cache=window_in_cache, return_hidden=return_hidden, chunks=chunks)
         for c in chunks:
             n = len(c.tokens)
             first_cached = c.start - c.evicted  # index of this chunk's first token in the cache

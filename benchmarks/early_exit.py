@@ -33,7 +33,7 @@ def layerskip_target(target: Path, out: Path, steps: int, corpus: str | None) ->
     if (handoff / "config.json").is_file():
         return handoff
     from baton.common.checkpoint import read_config
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.trainer import train
 
     layers = read_config(target).num_hidden_layers

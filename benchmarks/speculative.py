@@ -60,7 +60,7 @@ TARGETS = {
 
 
 def train_models(out: Path, quick: bool, shape: str = "wide") -> tuple[Path, Path, str]:
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.medusa import MedusaTrainConfig, train_medusa
     from baton.train.trainer import train
 

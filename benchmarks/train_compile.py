@@ -44,7 +44,7 @@ def run(model: str, precision: str, compiled: bool, steps: int, backend: str, se
     from baton.common.model import build_model
     from baton.train.compile import compile_layers
     from baton.train.backends.ddp import DDPBackend
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import Dist
     from baton.train.recompute import apply_recompute
 

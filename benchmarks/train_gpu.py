@@ -97,7 +97,7 @@ def recipe(model: dict, seq: int, micro: int, out: Path) -> dict:
 
 def worker(job: Path) -> None:
     """Every run of one launch (a lone process, or each rank under torchrun), one after another."""
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import init_distributed
     from baton.train.trainer import train
 

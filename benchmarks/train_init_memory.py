@@ -82,7 +82,7 @@ def worker(mode: str, meta: bool, ckpt: str, corpus: str, out: str) -> None:
 
     from baton.common.model import build_model
     from baton.train.backends import build_backend
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import init_distributed
     from baton.train.pretrained import PretrainedWeights, pretrained_model
     from baton.train.recompute import apply_recompute

@@ -78,7 +78,7 @@ def recipe(model: dict, corpus: Path, cache: Path) -> dict:
 
 def worker(job: Path) -> None:
     """Under torchrun: every round x layout x backend, each a whole `baton train` run."""
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import init_distributed
     from baton.train.trainer import Trainer
 

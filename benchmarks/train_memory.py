@@ -81,7 +81,7 @@ def worker(mode: str, steps: int, out: str) -> None:
     from baton.common.config import ModelConfig
     from baton.common.model import build_model
     from baton.train.backends import build_backend
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import init_distributed
     from baton.train.recompute import apply_recompute
 

@@ -24,7 +24,7 @@ import torch
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer
 from baton.train.backends import lm_loss, param_groups
-from baton.train.config import load_config
+from baton.train.recipe import load_config
 from baton.common.data import build_datasets
 from baton.train.batches import GlobalBatches
 from baton.train.trainer import train

@@ -63,7 +63,7 @@ def recipe(model: str, corpus: Path, cache: Path) -> dict:
 
 def worker(job: Path) -> None:
     """One launch (torchrun or a lone process): every round x precision of one backend and model."""
-    from baton.train.config import config_from_dict
+    from baton.train.recipe import config_from_dict
     from baton.train.distributed import init_distributed
     from baton.train.trainer import train
 

@@ -7,7 +7,7 @@
   sequences of S tokens (cu_seqlens), causal, GQA and sliding windows handled in the kernel.
   CUDA only - except under TRITON_INTERPRET=1, where the interpreter runs the same kernels on CPU
   tensors (slowly, and exact only in fp32: it mis-rounds bf16), which is how tests check it here.
-- eager: scores, mask, softmax and ·V materialised (recompute.EagerAttention): the unfused core
+- eager: scores, mask, softmax and ·V materialised (EagerAttention): the unfused core
   Megatron's activation formula assumes; the one core selective recomputation pays off with.
 
 All three are `AttentionBackend`s (common.model) with the same numbers up to rounding; context
@@ -50,16 +50,30 @@ class TritonFlashAttention:
         return out.view(b, s, hq, d)
 
 
-def _eager() -> AttentionBackend:
-    from baton.train.recompute import EagerAttention
+class EagerAttention:
+    """The unfused attention core (scores, mask, softmax, ·V materialised), i.e. what Megatron's
+    activation formula assumes. torch's SDPA on CPU is flash-style and keeps no s x s tensors, so
+    selective recomputation only pays off with this core; benchmarks compare both."""
 
-    return EagerAttention()
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        s = q.shape[2]
+        i = torch.arange(s, device=q.device)
+        dist = i[:, None] - i[None, :]
+        allowed = dist >= 0
+        if layer.sliding_window is not None:
+            allowed &= dist < layer.sliding_window
+        scores = (q @ k.transpose(-1, -2)) * layer.scaling
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return (probs @ v).transpose(1, 2)
 
 
 CORES: dict[str, Callable[[], AttentionBackend]] = {
     "sdpa": DenseCausalAttention,
     "triton": TritonFlashAttention,
-    "eager": _eager,
+    "eager": EagerAttention,
 }
 
 
@@ -69,7 +83,7 @@ def attention_core(name: str) -> AttentionBackend:
 
 
 def check_attention(need: Callable[[bool, str], None], attention: str, precision: str, cp: int) -> None:
-    """What the chosen core can run here; called by TrainConfig.validate."""
+    """What the chosen core can run here; called by the recipe checks (baton.train.validate)."""
     need(attention in ATTENTION_BACKENDS, f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
     need(
         attention == "sdpa" or cp == 1,

@@ -8,6 +8,7 @@ from typing import TypeVar
 
 from baton.common.config import ConfigError
 from baton.common.data import DataConfig
+from baton.train.overrides import apply_overrides, build_section
 
 T = TypeVar("T")
 
@@ -25,8 +26,6 @@ def recipe_from_dict(
 ) -> T:
     """{section: {...}} (and `data: {...}` when `data`) as `cls`, checked before any work; every
     problem is a ConfigError naming the recipe kind (`label`, e.g. "a Medusa")."""
-    from baton.train.config import _build, apply_overrides  # (train/config.py dispatches to us)
-
     raw = apply_overrides(raw, overrides)
     known = {section, "data"} if data else {section}
     unknown = sorted(set(raw) - known)
@@ -35,7 +34,7 @@ def recipe_from_dict(
     try:
         fields = dict(raw[section] or {})
         if data:
-            fields["data"] = _build(DataConfig, raw.get("data") or {}, "data")
-        return _build(cls, fields, section)
+            fields["data"] = build_section(DataConfig, raw.get("data") or {}, "data")
+        return build_section(cls, fields, section)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"invalid {label.split(' ', 1)[1]} recipe: {e}") from e

@@ -1,5 +1,6 @@
 """Resumable training checkpoints: out_dir/checkpoints/step_XXXXXXXX/, and the `Checkpointer`
-that does all the trainer does with them (resume checks, resume, periodic saves, handoff).
+that does all the trainer does with them (resume checks, resume, periodic saves; the handoff of
+the last one is baton.train.export's).
 
 Each holds the backend's model + optimizer state (see baton.train.backends), trainer_state.json
 (step, data position, layout, tokens seen, skipped-step streak), every rank's RNG state, the
@@ -172,7 +173,8 @@ class TrainState:
 
 
 class Checkpointer:
-    """The trainer's checkpoints behind three calls: maybe_resume, maybe_save, handoff.
+    """The trainer's checkpoints behind two calls, maybe_resume and maybe_save (the handoff of the
+    last one: baton.train.export.handoff).
 
     Made during the checks, before any process group: the checkpoint to resume (checkpoint.resume)
     is found and checked against this run, its batch and inputs (data, tokenizer, seeds:
@@ -238,14 +240,3 @@ class Checkpointer:
         save(self.last, backend, self.dist, trainer_state, self.model_cfg, self.tokenizer)
         if self.dist.is_main:
             prune(self.root, c.keep_last)
-
-    def handoff(self) -> Path | None:
-        """Rank 0, at the end: the handoff checkpoint (out_dir/handoff) of the last checkpoint,
-        if the recipe exports and there is one."""
-        if not (self.dist.is_main and self.cfg.export and self.last is not None):
-            return None
-        from baton.train.export import export_checkpoint  # export reads checkpoints through this module
-
-        handoff = export_checkpoint(self.last, Path(self.cfg.out_dir) / "handoff")
-        log.info("handed off the trained model to %s", handoff)
-        return handoff

@@ -13,9 +13,9 @@ from baton.common.errors import UserError
 
 
 def _train(args: argparse.Namespace) -> int:
-    from baton.train.config import load_recipe
     from baton.train.eagle import EagleTrainConfig, train_eagle
     from baton.train.medusa import MedusaTrainConfig, train_medusa
+    from baton.train.recipe import load_recipe
     from baton.train.router import RouterTrainConfig, train_router
     from baton.train.trainer import train
 

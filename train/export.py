@@ -1,9 +1,9 @@
 """Handoff: turn a training checkpoint (any backend, ZeRO-3 shards included) into the
 foundation's checkpoint format, with the tokenizer, for the server and for transformers.
 
-Consolidation reads the files (baton.train.universal), not a live engine, so it runs on one
-process after training, or later with `baton export`. `write_handoff` is the one writer of
-trained weights into that format; everything that hands a model off goes through it.
+Consolidation reads the files (baton.train.backends.readers), not a live engine, so it runs on
+one process after training (`handoff`), or later with `baton export`. `write_handoff` is the one
+writer of trained weights into that format; everything that hands a model off goes through it.
 
 The handoff keeps the run's training dtype: a bf16 (fp16) run is written in bfloat16 (float16),
 rounded from its float32 master weights, and its config.json / baton.json say so, so the server
@@ -21,9 +21,9 @@ import torch
 
 from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
 from baton.common.config import ModelConfig
-from baton.train.checkpointing import find_checkpoint, read_state
+from baton.train.backends.readers import read_any
+from baton.train.checkpointing import Checkpointer, find_checkpoint, read_state
 from baton.train.config import PRECISIONS
-from baton.train.universal import read_any
 
 log = logging.getLogger(__name__)
 
@@ -72,4 +72,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     )
     out = write_handoff(out_dir, config, weights, tokenizer_dir=ckpt / "tokenizer", metadata=meta)
     log.info("exported %s (step %d, %s) to %s", ckpt, state["step"], config.torch_dtype, out)
+    return out
+
+
+def handoff(checkpointer: Checkpointer) -> Path | None:
+    """Rank 0, at the end of a run: the handoff checkpoint (out_dir/handoff) of its last
+    checkpoint, if the recipe exports and there is one."""
+    cfg = checkpointer.cfg
+    if not (checkpointer.dist.is_main and cfg.export and checkpointer.last is not None):
+        return None
+    out = export_checkpoint(checkpointer.last, Path(cfg.out_dir) / "handoff")
+    log.info("handed off the trained model to %s", out)
     return out

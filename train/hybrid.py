@@ -9,7 +9,7 @@ torch path: the Triton kernel is forward-only), so `attention: triton` changes o
 attention layers.
 
 What needs the mixer itself cut across ranks, or a layer Baton's other code paths do not have, is
-refused here before any work starts (TrainConfig.validate), with the reason.
+refused here before any work starts (the recipe checks, baton.train.validate), with the reason.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The model config is the checkpoint's (a recipe's model section may only repeat it), in float32:
 those are the optimizer's master weights whatever dtype the files hold, and `precision` decides
-what the steps compute in. Optimizer and data start fresh (step 0, new AdamW state).
+what the steps compute in (baton.train.model_section reads it). Optimizer and data start fresh
+(step 0, new AdamW state).
 
 No rank ever holds the whole model where the backend shards it:
 - torch3d (FSDP2 / tensor / pipeline parallel): the model is built on the meta device, cut and
@@ -20,70 +21,23 @@ construction leaves them right; the model has no buffers.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from baton.common.checkpoint import CheckpointError, expected_shapes, weight_files
-from baton.common.config import ConfigError, ModelConfig
-from baton.common.hf import config_from_hf
+from baton.common.checkpoint import CheckpointError, expected_shapes
+from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.common.weight_slices import WeightSlices
 
 if TYPE_CHECKING:
     from baton.train.config import TrainConfig
     from baton.train.distributed import Dist
-
-log = logging.getLogger(__name__)
-
-
-def checkpoint_config(init_from: str | Path, model_section: dict[str, Any]) -> ModelConfig:
-    """The float32 model config of the checkpoint at `init_from`; ConfigError if it is not a float
-    checkpoint Baton reads, or if the recipe's model section says anything else than it does."""
-    d = Path(init_from)
-    if not (d / "config.json").is_file():
-        raise ConfigError(f"init_from {d} is not a checkpoint directory (no config.json)")
-    try:
-        raw = json.loads((d / "config.json").read_text())
-        weight_files(d)
-    except (json.JSONDecodeError, CheckpointError) as e:
-        raise ConfigError(f"init_from {d}: {e}") from e
-    if raw.get("quantization_config"):
-        raise ConfigError(f"init_from {d} is a quantized checkpoint; fine-tune the float checkpoint it came from")
-    cfg = dataclasses.replace(config_from_hf(raw), torch_dtype="float32")
-    if "preset" in model_section:
-        raise ConfigError("init_from takes the model from the checkpoint: drop model.preset")
-    have = cfg.to_dict()
-    unknown = sorted(set(model_section) - set(have))
-    if unknown:
-        raise ConfigError(f"unknown model config key(s): {', '.join(unknown)}")
-    differ = {k: (v, have[k]) for k, v in model_section.items() if have[k] != v}
-    if differ:
-        said = ", ".join(f"model.{k}={v!r} (checkpoint: {c!r})" for k, (v, c) in sorted(differ.items()))
-        raise ConfigError(f"init_from {d}: the recipe's model section contradicts the checkpoint: {said}; drop it")
-    return cfg
-
-
-def with_tokenizer(cfg: ModelConfig, init_from: str, vocab_size: int, token_ids: dict[str, Any]) -> ModelConfig:
-    """`cfg` with the tokenizer's special token ids (what the data pipeline uses), once the
-    tokenizer is known to fit the checkpoint's embedding."""
-    if vocab_size > cfg.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {vocab_size} tokens but init_from {init_from}'s embedding only "
-            f"{cfg.vocab_size}: use the checkpoint's own tokenizer"
-        )
-    changed = {k: v for k, v in token_ids.items() if getattr(cfg, k) != v}
-    if changed:
-        log.info("init_from: special token ids from the tokenizer: %s", changed)
-    return dataclasses.replace(cfg, **changed)
 
 
 class PretrainedWeights(Mapping[str, torch.Tensor]):

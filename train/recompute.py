@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from baton.common.model import MLP, AttentionBackend, CausalLM, Expert, RMSNorm
 from baton.kernels import swiglu
-from baton.train.attention import FUSED, attention_core
+from baton.train.attention import FUSED, EagerAttention, attention_core  # noqa: F401 (EagerAttention: callers import it here)
 from baton.train.config import RecomputeConfig
 
 log = logging.getLogger(__name__)
@@ -141,23 +141,3 @@ def activation_bytes(forward: Callable[[], torch.Tensor]) -> int:
     live = mode.live_bytes()
     del loss
     return live
-
-
-class EagerAttention:
-    """The unfused attention core (scores, mask, softmax, ·V materialised), i.e. what Megatron's
-    activation formula assumes. torch's SDPA on CPU is flash-style and keeps no s x s tensors, so
-    selective recomputation only pays off with this core; benchmarks compare both."""
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any) -> torch.Tensor:
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        s = q.shape[2]
-        i = torch.arange(s, device=q.device)
-        dist = i[:, None] - i[None, :]
-        allowed = dist >= 0
-        if layer.sliding_window is not None:
-            allowed &= dist < layer.sliding_window
-        scores = (q @ k.transpose(-1, -2)) * layer.scaling
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        return (probs @ v).transpose(1, 2)

@@ -2,10 +2,10 @@
 
 `Trainer.train_step` is one optimizer step: this rank's micro-batches of the next global batch go
 to the backend, which runs forward, backward and the update at once; the trainer counts and logs.
-What varies lives elsewhere: the recipe (config.py), how a step runs across processes (backends/),
-the data order (batches.py), the schedule (schedule.py), recomputation (recompute.py), checkpoints,
-resume and handoff (checkpointing.py), logs and MFU (metrics.py). Every check that can fail runs
-before the first step.
+What varies lives elsewhere: the recipe (config.py; its checks validate.py), how a step runs across
+processes (backends/), the data order (batches.py), the schedule (schedule.py), recomputation
+(recompute.py), checkpoints and resume (checkpointing.py), the handoff (export.py), logs and MFU
+(metrics.py). Every check that can fail runs before the first step.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from baton.common.data import build_datasets, read_texts, torch_loader
 from baton.common.checkpoint import CheckpointError, verify_hashes
 from baton.common.config import ConfigError
+from baton.common.data import build_datasets, read_texts, torch_loader
 from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
@@ -29,11 +29,13 @@ from baton.train.batches import GlobalBatches, micro_batches
 from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist, init_distributed, read_launch
+from baton.train.export import handoff as export_handoff
 from baton.train.metrics import MetricsLogger, flops_per_token, peak_flops, plot_losses
 from baton.train.moe import router_metrics
 from baton.train.pretrained import PretrainedWeights, pretrained_model
 from baton.train.recompute import apply_recompute
 from baton.train.schedule import lr_at
+from baton.train.validate import validate
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,7 @@ def evaluate(backend: Backend, val_ds, cfg: TrainConfig) -> float | None:
 def _check(cfg: TrainConfig, rank: int, world_size: int) -> Checkpointer:
     """Every check of the recipe against the world size, the machine and the checkpoint it resumes;
     the checkpointer that holds that checkpoint."""
-    cfg.validate(cfg.data_parallel_size(world_size))
+    validate(cfg, cfg.data_parallel_size(world_size))
     if cfg.init_from and rank == 0:
         try:
             verify_hashes(cfg.init_from)  # a handoff's sha256s (baton.json); an HF directory has none
@@ -209,7 +211,7 @@ class Trainer:
         if self.dist.is_main and self.cfg.logging.plot and self.metrics.records:
             title = f"{self.out_dir.name}: {self.cfg.backend}"
             plot_losses(self.metrics.records, self.out_dir / "loss.png", title=title)
-        handoff = self.checkpointer.handoff()
+        handoff = export_handoff(self.checkpointer)
         self.dist.barrier()
         return TrainResult(
             handoff,

@@ -3,7 +3,8 @@
 fp32 weights plus AdamW's exp_avg / exp_avg_sq per parameter name, and the optimizer step. The
 plain-PyTorch backend saves exactly this (safetensors, no pickles); a DeepSpeed checkpoint is
 converted into it (baton.train.backends.zero_checkpoint) whenever it has to be resumed at another
-world size, ZeRO stage, offload setting or backend, or exported.
+world size, ZeRO stage, offload setting or backend, or exported; baton.train.backends.readers
+reads any backend's checkpoint as this.
 """
 
 from __future__ import annotations
@@ -49,17 +50,3 @@ def read_universal(directory: Path, with_optimizer: bool = True) -> UniversalSta
     moments = {key: {n.split("/", 1)[1]: t for n, t in flat.items() if n.startswith(key + "/")} for key in MOMENTS}
     step = json.loads((directory / OPTIMIZER_META).read_text())["step"]
     return UniversalState(weights, moments["exp_avg"], moments["exp_avg_sq"], step)
-
-
-def read_any(directory: Path, backend: str, with_optimizer: bool = True) -> UniversalState:
-    """The universal state of a training checkpoint written by either backend."""
-    if backend == "deepspeed":
-        from baton.train.backends.zero_checkpoint import read_zero_checkpoint
-
-        return read_zero_checkpoint(directory, with_optimizer)
-    if backend == "torch3d":
-        from baton.train.backends.torch3d import DCP_DIR
-        from baton.train.parallel.checkpoint import read_dcp
-
-        return read_dcp(directory / DCP_DIR, with_optimizer)
-    return read_universal(directory, with_optimizer)

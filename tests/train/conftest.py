@@ -24,8 +24,9 @@ import torch
 import yaml
 
 from baton.common.corpus import cache_root
+from baton.train.backends.readers import read_any
 from baton.train.distributed import free_port
-from baton.train.universal import UniversalState, read_any
+from baton.train.universal import UniversalState
 
 SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
 MULTI_RUN = Path(__file__).with_name("multi_run.py")
@@ -299,7 +300,7 @@ BUILD_OP = """
 import json, sys, time
 from deepspeed.accelerator import get_accelerator
 from baton.train.backends.deepspeed import prepare_ops
-from baton.train.config import config_from_dict
+from baton.train.recipe import config_from_dict
 
 builder = get_accelerator().create_op_builder("AsyncIOBuilder")
 if builder is None or not builder.is_compatible(verbose=True):  # verbose: the builder says what is missing

@@ -21,9 +21,10 @@ import torch.distributed as dist
 
 from baton.common.config import ModelConfig
 from baton.common.model import DenseCausalAttention, build_model
+from baton.train.backends.megatron import MegatronLayout
 from baton.train.batches import micro_batches
-from baton.train.config import MegatronConfig, config_from_dict
 from baton.train.distributed import Dist
+from baton.train.recipe import config_from_dict
 
 MODEL = {
     "vocab_size": 128,
@@ -45,20 +46,26 @@ RECIPE = {
     "max_steps": STEPS,
 }
 
-# name -> megatron section (+ what the case does besides training).
+# name -> the parallel and megatron sections (+ what the case does besides training).
+INTERLEAVED = {"pp": 2, "pp_stages_per_rank": 2, "pp_schedule": "interleaved_1f1b"}  # megatron's vp=2
 CASES: dict[str, dict] = {
-    "tp2": {"megatron": {"tp": 2}},
-    "tp2_sp": {"megatron": {"tp": 2, "sequence_parallel": True, "recompute": "selective"}},
-    "pp2": {"megatron": {"pp": 2, "recompute": "full"}},
+    "tp2": {"parallel": {"tp": 2, "sequence_parallel": False}},
+    "tp2_sp": {"parallel": {"tp": 2}, "megatron": {"recompute": "selective"}},  # sp: the parallel section's default
+    "pp2": {"parallel": {"pp": 2}, "megatron": {"recompute": "full"}},
     # micro-batches of 1 sample: 4 per rank, so the interleaved schedule reaches its steady state
     # (where a rank sends to the same peer in both directions at once)
-    "pp2_vp2": {"megatron": {"pp": 2, "vp": 2}, "micro": 1, "eval": True},
-    "tp2_pp2": {"megatron": {"tp": 2, "pp": 2}},
+    "pp2_vp2": {"parallel": INTERLEAVED, "micro": 1, "eval": True},
+    "tp2_pp2": {"parallel": {"tp": 2, "pp": 2, "sequence_parallel": False}},
+    # the deprecated megatron.tp, read as parallel.tp (sequence parallelism off, as it was): tp2's model
     "tp2_bf16": {"megatron": {"tp": 2}, "precision": "bf16"},
-    "tp2_distopt": {"megatron": {"tp": 2, "distributed_optimizer": True}, "save": SAVE_AT},
-    "resume_pp2_distopt": {"megatron": {"pp": 2, "distributed_optimizer": True}, "resume": "tp2_distopt"},
+    "tp2_distopt": {
+        "parallel": {"tp": 2, "sequence_parallel": False},
+        "megatron": {"distributed_optimizer": True},
+        "save": SAVE_AT,
+    },
+    "resume_pp2_distopt": {"parallel": {"pp": 2}, "megatron": {"distributed_optimizer": True}, "resume": "tp2_distopt"},
     # The upstream trap, kept as a canary: interleaved stages with batched p2p compute wrong numbers.
-    "trap_pp2_vp2_batch_p2p": {"megatron": {"pp": 2, "vp": 2}, "micro": 1, "batch_p2p_comm": True},
+    "trap_pp2_vp2_batch_p2p": {"parallel": INTERLEAVED, "micro": 1, "batch_p2p_comm": True},
 }
 
 
@@ -80,7 +87,7 @@ def run_case(name: str, out: Path) -> dict:
 
     spec, rank, world = CASES[name], dist.get_rank(), dist.get_world_size()
     micro = spec.get("micro", MICRO)
-    overrides = [f"megatron.{k}={json.dumps(v)}" for k, v in spec["megatron"].items()]
+    overrides = [f"{sec}.{k}={json.dumps(v)}" for sec in ("parallel", "megatron") for k, v in spec.get(sec, {}).items()]
     recipe = {**RECIPE, "backend": "megatron", "micro_batch_size": micro, "precision": spec.get("precision", "fp32")}
     cfg = config_from_dict(recipe, overrides)
     backend = MegatronBackend(cfg, build_model(ModelConfig(**MODEL), seed=0), DenseCausalAttention(), Dist(rank, world))
@@ -155,8 +162,8 @@ def parity() -> dict:
     style model and a Qwen2-style one (q/k/v biases, tied embeddings)."""
     from megatron.core import parallel_state as ps
 
-    from baton.common.checkpoint import load_checkpoint, load_state_dict, save_model
     from baton.common import megatron_compat
+    from baton.common.checkpoint import load_checkpoint, load_state_dict, save_model
     from baton.train.backends.megatron import build_chunks, load_baton_weights, transformer_config
 
     megatron_compat.activate()
@@ -175,7 +182,7 @@ def parity() -> dict:
         save_model(tmp / name, model)
         weights = load_state_dict(tmp / name)  # the checkpoint's tensors (a tied head is stored once)
         ref = load_checkpoint(tmp / name).model
-        m = MegatronConfig()
+        m = MegatronLayout()
         (chunk,) = build_chunks(mc, transformer_config(mc, m, "fp32"), m)
         load_baton_weights([chunk], weights, mc, m)
         tokens = batch(0)[:2, :SEQ]
@@ -202,7 +209,8 @@ def trainer_run(out: Path, corpus: Path) -> dict:
         "tokenizer": {"kind": "char"},
         "optim": {"lr": 1e-2, "warmup_steps": 2},
         "backend": "megatron",
-        "megatron": {"tp": 2, "distributed_optimizer": True},
+        "parallel": {"tp": 2, "sequence_parallel": False},
+        "megatron": {"distributed_optimizer": True},
         "micro_batch_size": 4,
         "global_batch_size": 8,
         "max_steps": 30,

@@ -10,8 +10,8 @@ import gc
 import logging
 import sys
 
-from baton.train.config import load_config
 from baton.train.distributed import init_distributed
+from baton.train.recipe import load_config
 from baton.train.trainer import train
 
 

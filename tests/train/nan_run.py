@@ -11,8 +11,8 @@ import torch
 from deepspeed.utils import safe_get_full_fp32_param
 
 from baton.train.backends import deepspeed as ds_backend
-from baton.train.config import load_config
 from baton.train.distributed import init_distributed
+from baton.train.recipe import load_config
 from baton.train.trainer import train
 
 BAD_STEPS = {3, 4}

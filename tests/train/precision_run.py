@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from baton.train.config import load_config
+from baton.train.backends.readers import read_any
 from baton.train.distributed import init_distributed
+from baton.train.recipe import load_config
 from baton.train.trainer import Trainer
-from baton.train.universal import read_any
 
 
 def names(dtypes) -> list[str]:

@@ -17,7 +17,8 @@ from baton.common.model import DenseCausalAttention, build_model
 from baton.train import attention
 from baton.train.attention import TritonFlashAttention, attention_core
 from baton.train.backends import lm_loss
-from baton.train.config import RecomputeConfig, config_from_dict
+from baton.train.config import RecomputeConfig
+from baton.train.recipe import config_from_dict
 from baton.train.recompute import EagerAttention, SelectiveRecompute, apply_recompute
 
 from .conftest import TINY

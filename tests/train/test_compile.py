@@ -20,7 +20,8 @@ from baton.common.model import build_model
 from baton.train import compile as compile_mod
 from baton.train.backends import lm_loss
 from baton.train.compile import compile_layers
-from baton.train.config import RecomputeConfig, config_from_dict
+from baton.train.config import RecomputeConfig
+from baton.train.recipe import config_from_dict
 from baton.train.recompute import apply_recompute
 
 from .conftest import TINY, run, train_args

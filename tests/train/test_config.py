@@ -1,6 +1,7 @@
 """Every bad recipe fails with a clear message before any training work: nothing is built,
 trained or written (the out_dir does not even appear) unless a later check needs data."""
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -12,10 +13,13 @@ from baton.common.cli import main
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import build_model
 from baton.common.tokenizer import train_char
-from baton.train.config import config_from_dict, load_recipe
+from baton.train.backends.megatron import MegatronLayout
 from baton.train.eagle import EagleTrainConfig
 from baton.train.medusa import MedusaTrainConfig
+from baton.train.parallel.layout import check_layout
+from baton.train.recipe import config_from_dict, load_recipe
 from baton.train.router import RouterTrainConfig
+from baton.train.validate import validate
 
 from .conftest import TINY
 
@@ -56,6 +60,8 @@ from .conftest import TINY
             ["backend=deepspeed", "deepspeed.extra={gradient_accumulation_steps: 4}"],
             "deepspeed.extra.gradient_accumulation_steps=4 disagrees with the recipe's 2 accumulation steps",
         ),
+        (["parallel.tp=2"], "the parallel section needs backend: torch3d or megatron"),
+        (["backend=megatron", "megatron.tp=2", "parallel.tp=4"], "megatron.tp 2 and parallel.tp 4 disagree"),
     ],
 )
 def test_bad_recipe_is_rejected_before_anything_happens(recipe, tmp_path, capsys, override, message):
@@ -72,14 +78,14 @@ def test_batch_arithmetic_is_checked_against_the_world_size():
     with pytest.raises(
         ConfigError, match="global_batch_size 8 is not divisible by micro_batch_size 4 x data-parallel size 3"
     ):
-        cfg.validate(data_parallel_size=3)
+        validate(cfg, data_parallel_size=3)
     fixed = config_from_dict(TINY, ["grad_accum_steps=2"])
     with pytest.raises(
         ConfigError,
         match=r"global_batch_size 8 != micro_batch_size 4 x grad_accum_steps 2 x "
         r"data-parallel size 2 = 16",
     ):
-        fixed.validate(data_parallel_size=2)
+        validate(fixed, data_parallel_size=2)
 
 
 def test_nvme_offload_without_libaio_is_rejected_up_front(recipe, tmp_path, capsys, monkeypatch):
@@ -165,9 +171,9 @@ def test_every_shipped_recipe_is_valid(recipe_file, monkeypatch, tmp_path):
     if isinstance(cfg, RouterTrainConfig):  # a router over the frozen demo model, checked on construction
         assert (cfg.base, cfg.data) == (str(tmp_path / "demo" / "handoff"), str(tmp_path / "router" / "prompts.jsonl"))
         return
-    cfg.validate(data_parallel_size=1)
+    validate(cfg, data_parallel_size=1)
     if cfg.backend == "deepspeed":  # the ZeRO recipes are meant for several ranks
-        cfg.validate(data_parallel_size=2)
+        validate(cfg, data_parallel_size=2)
     assert cfg.out_dir.startswith("runs/")
 
 
@@ -175,3 +181,72 @@ def test_exponent_overrides_are_numbers():
     """YAML 1.1 reads 1e-3 (no dot) as a string; an override written that way is still a number."""
     cfg = config_from_dict(TINY, ["optim.lr=1e-3", "optim.min_lr=5E-5"])
     assert cfg.optim.lr == 1e-3 and cfg.optim.min_lr == 5e-5
+
+
+# ------------------------------------------------------------- one layout section for every backend
+@pytest.fixture
+def world(monkeypatch):
+    """The launcher's world size the layout checks read (as torchrun would set it)."""
+    pytest.importorskip("megatron.core")  # backend megatron's checks need it
+
+    def set_world(n: int) -> None:
+        monkeypatch.setenv("WORLD_SIZE", str(n))
+        monkeypatch.setenv("RANK", "0")
+
+    return set_world
+
+
+def test_megatron_takes_its_layout_from_the_parallel_section(world):
+    world(2)
+    cfg = config_from_dict(TINY, ["backend=megatron", "parallel.tp=2"])
+    assert MegatronLayout.of(cfg) == MegatronLayout(tp=2, sequence_parallel=True)  # what the backend runs
+    assert cfg.data_parallel_size(2) == 1
+    off = config_from_dict(TINY, ["backend=megatron", "parallel.tp=2", "parallel.sequence_parallel=false"])
+    assert MegatronLayout.of(off) == MegatronLayout(tp=2)
+
+
+def test_one_key_switches_the_backend_and_keeps_the_layout(world):
+    world(4)
+    raw = {**TINY, "parallel": {"tp": 2, "pp": 2, "sequence_parallel": False}}
+    torch3d, megatron = (config_from_dict(raw, [f"backend={b}"]) for b in ("torch3d", "megatron"))
+    assert torch3d.parallel == megatron.parallel
+    layout3d = check_layout(torch3d.parallel, torch3d.model_config(vocab_size=1024), 4, 2, 32)
+    assert (layout3d.dp, layout3d.tp, layout3d.pp, layout3d.sequence_parallel) == (1, 2, 2, False)
+    assert MegatronLayout.of(megatron) == MegatronLayout(tp=2, pp=2)
+    for cfg in (torch3d, megatron):  # the same share of each global batch on every rank
+        assert cfg.data_parallel_size(4) == 1 and [cfg.data_parallel_rank(r, 4) for r in range(4)] == [0] * 4
+
+
+def test_the_old_megatron_layout_keys_read_as_before(world, caplog):
+    """megatron.tp/pp/vp/sequence_parallel are deprecated names of the parallel section's keys,
+    meaning what they did (sequence parallelism off unless asked for)."""
+    world(2)
+    with caplog.at_level(logging.WARNING, logger="baton.train.recipe"):
+        old = config_from_dict(TINY, ["backend=megatron", "megatron.tp=2"])
+    assert "megatron.tp is deprecated: read as parallel.tp" in caplog.text
+    assert old == config_from_dict(TINY, ["backend=megatron", "parallel.tp=2", "parallel.sequence_parallel=false"])
+    assert MegatronLayout.of(old) == MegatronLayout(tp=2)
+    deep = ["backend=megatron", "model.num_hidden_layers=4", "megatron.pp=2", "megatron.vp=2"]
+    interleaved = config_from_dict(TINY, deep)
+    assert (interleaved.parallel.pp_stages_per_rank, interleaved.parallel.pp_schedule) == (2, "interleaved_1f1b")
+    assert MegatronLayout.of(interleaved) == MegatronLayout(pp=2, vp=2)
+    same = config_from_dict(TINY, ["backend=megatron", "megatron.tp=2", "parallel.tp=2"])  # agreeing: fine
+    assert MegatronLayout.of(same).tp == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["megatron.tp=2", "parallel.tp=4"], "megatron.tp 2 and parallel.tp 4 disagree"),
+        (["megatron.tp=2", "parallel.tp=1"], "megatron.tp 2 and parallel.tp 1 disagree"),  # set, if to the default
+        (["megatron.vp=2", "parallel.pp_stages_per_rank=1"], "megatron.vp 2 and parallel.pp_stages_per_rank 1"),
+        (
+            ["megatron.sequence_parallel=true", "parallel.sequence_parallel=false"],
+            "megatron.sequence_parallel True and parallel.sequence_parallel False disagree",
+        ),
+    ],
+)
+def test_an_old_megatron_key_that_contradicts_the_parallel_section_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        config_from_dict(TINY, ["backend=megatron", *overrides])
+    assert "drop megatron." in str(e.value)

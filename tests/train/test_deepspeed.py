@@ -18,7 +18,7 @@ from baton.common.corpus import cache_root
 from baton.train.backends import deepspeed as ds_backend
 from baton.train.backends.deepspeed_ops import build_root
 from baton.train.backends.zero_checkpoint import TAG
-from baton.train.config import config_from_dict
+from baton.train.recipe import config_from_dict
 
 from .conftest import CKPT_STEP, TINY, environment, final_state, run
 

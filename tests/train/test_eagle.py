@@ -12,8 +12,8 @@ from baton.common.checkpoint import load_checkpoint
 from baton.common.config import ConfigError
 from baton.common.data import DataConfig
 from baton.common.eagle import EagleConfig, EagleHead, load_eagle
-from baton.train.config import load_recipe
 from baton.train.eagle import EagleTrainConfig, eagle_loss, target_outputs, train_eagle
+from baton.train.recipe import load_recipe
 
 from .conftest import char_model_checkpoint
 

@@ -15,7 +15,7 @@ from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import build_model
 from baton.common.tokenizer import train_char
-from baton.train.config import config_from_dict
+from baton.train.recipe import config_from_dict
 from baton.train.early_exit import EarlyExit, EarlyExitConfig, dropout_rate, exit_weights
 from baton.train.trainer import train
 

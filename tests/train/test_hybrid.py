@@ -18,7 +18,7 @@ from baton.serve.llm import LLM
 from baton.serve.sampling_params import SamplingParams
 from baton.train.backends import lm_loss
 from baton.train.compile import compile_layers
-from baton.train.config import config_from_dict
+from baton.train.recipe import config_from_dict
 from baton.train.trainer import train
 
 from .conftest import MULTI_RUN, TINY, final_state, losses, max_rel_diff, run

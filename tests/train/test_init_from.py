@@ -23,7 +23,7 @@ from baton.common.data import DataConfig, build_datasets, torch_loader
 from baton.common.hf import import_hf
 from baton.common.tokenizer import Tokenizer, train_char
 from baton.train.batches import GlobalBatches
-from baton.train.config import config_from_dict
+from baton.train.recipe import config_from_dict
 from baton.train.trainer import train
 
 from .conftest import MULTI_RUN, PATTERN_TEXT, final_state, run
@@ -136,7 +136,7 @@ MODES = {
     "zero3-bf16": ("llama", ["backend=deepspeed", "deepspeed.stage=3", "precision=bf16", *TINY_LR]),
     "ddp": ("llama", []),
     # megatron-core's GPTModel, its fused QKV filled per query group from the file (megatron_layout)
-    "megatron-tp2": ("qwen2", ["backend=megatron", "megatron.tp=2"]),
+    "megatron-tp2": ("qwen2", ["backend=megatron", "parallel.tp=2", "parallel.sequence_parallel=false"]),
 }
 
 

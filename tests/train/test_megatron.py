@@ -22,9 +22,10 @@ import torch
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import DenseCausalAttention, build_model
 from baton.train.backends.ddp import DDPBackend
+from baton.train.backends.megatron import MegatronLayout
 from baton.train.batches import micro_batches
-from baton.train.config import MegatronConfig, config_from_dict
 from baton.train.distributed import Dist
+from baton.train.recipe import config_from_dict
 
 from .conftest import run
 from .megatron_run import MICRO, MODEL, NEW_TOKENS, RECIPE, SAVE_AT, STEPS, batch
@@ -139,7 +140,7 @@ def test_trap_interleaved_batched_p2p(results, reference):
     from baton.train.backends.megatron import transformer_config
 
     assert results["pp2_vp2"]["batch_p2p_comm"] is False
-    tcfg = transformer_config(ModelConfig(**MODEL), MegatronConfig(pp=2, vp=2), "fp32")
+    tcfg = transformer_config(ModelConfig(**MODEL), MegatronLayout(pp=2, vp=2), "fp32")
     assert tcfg.batch_p2p_comm is False
     assert rel(results["trap_pp2_vp2_batch_p2p"]["losses"], reference) > 1e-2
 
@@ -192,9 +193,15 @@ def test_export_serves_the_trained_model(results):
     ("overrides", "message"),
     [
         (["megatron.tp=2"], "the megatron section needs backend: megatron"),
-        (["backend=megatron", "megatron.tp=3"], "not divisible by megatron.tp"),
-        (["backend=megatron", "megatron.sequence_parallel=true"], "sequence_parallel needs megatron.tp > 1"),
-        (["backend=megatron", "megatron.vp=2"], "needs megatron.pp > 1"),
+        (["backend=megatron", "megatron.tp=3"], "not divisible by parallel.tp"),
+        (["backend=megatron", "parallel.tp=3", "parallel.sequence_parallel=false"], "not divisible by parallel.tp"),
+        (["backend=megatron", "parallel.tp=2", "data.seq_len=15"], "needs data.seq_len 15 divisible by tp=2"),
+        (["backend=megatron", "megatron.vp=2"], "needs parallel.pp > 1"),
+        (["backend=megatron", "parallel.pp=2", "parallel.pp_stages_per_rank=2"], "pp_schedule 1f1b runs one stage"),
+        (["backend=megatron", "parallel.pp=2", "parallel.pp_schedule=gpipe"], "gpipe is torch3d's"),
+        (["backend=megatron", "parallel.cp=2"], "backend megatron runs no context parallelism"),
+        (["backend=megatron", "parallel.tp=2", "parallel.loss_parallel=false"], "loss on vocabulary shards"),
+        (["backend=megatron", "parallel.dp=3"], "parallel.dp x tp x pp = 3 x 1 x 1 = 3 != world size 1"),
         (["backend=megatron", "megatron.recompute=some"], "megatron.recompute must be one of"),
         (["backend=megatron", "recompute.mode=full"], "set megatron.recompute"),
         (["backend=megatron", "precision=fp16"], "fp32 or bf16"),

@@ -15,9 +15,9 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import MoE, build_model
-from baton.train.config import config_from_dict
 from baton.train.moe import attach_router_losses, load_balancing_loss, router_metrics, router_z_loss
 from baton.train.parallel.layout import ParallelConfig, check_layout
+from baton.train.recipe import config_from_dict
 
 MODEL = ModelConfig(
     vocab_size=64,

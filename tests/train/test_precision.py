@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepspeed.accelerator import get_accelerator
+from safetensors.torch import load_file
+
 from baton.common.checkpoint import load_checkpoint, read_config, verify_hashes
 from baton.common.cli import main
 from baton.common.model import greedy_generate
 from baton.common.tokenizer import Tokenizer
-from baton.train.universal import read_any
-from deepspeed.accelerator import get_accelerator
-from safetensors.torch import load_file
+from baton.train.backends.readers import read_any
 
 from .conftest import CKPT_STEP, STEPS, TINY, losses, run
 
@@ -262,8 +263,8 @@ def test_deepspeed_fp16_is_refused_where_its_accelerator_has_no_fp16(recipe, tmp
 
 
 def test_the_deepspeed_config_enables_the_recipes_precision_with_float32_reductions():
-    from baton.train.config import config_from_dict
     from baton.train.deepspeed_config import ds_config
+    from baton.train.recipe import config_from_dict
 
     conf = {
         p: ds_config(config_from_dict(TINY, [*DS, "deepspeed.stage=2", f"precision={p}"]), 1) for p in ("fp32", "bf16")

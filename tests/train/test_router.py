@@ -15,7 +15,7 @@ from baton.common.config import ConfigError, ModelConfig
 from baton.common.model import build_model
 from baton.common.router import load_router
 from baton.common.tokenizer import train_bpe
-from baton.train.config import load_recipe
+from baton.train.recipe import load_recipe
 from baton.train.router import RouterTrainConfig
 
 WORDS = ["alpha beta gamma delta", "one two three four", "red green blue black"]

@@ -57,8 +57,8 @@ import psutil  # noqa: E402  (the worker above needs none of the test's imports)
 import pytest  # noqa: E402
 
 from baton.common.cli import main as baton  # noqa: E402
+from baton.train.backends.readers import read_any  # noqa: E402
 from baton.train.checkpointing import STATE_FILE, list_checkpoints, read_state  # noqa: E402
-from baton.train.universal import read_any  # noqa: E402
 
 from .conftest import CKPT_STEP, MODES, STEPS, command, environment, kill_tree, losses, train_args  # noqa: E402
 

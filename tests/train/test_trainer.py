@@ -11,8 +11,8 @@ import yaml
 
 from baton.train import checkpointing
 from baton.train.backends import ddp
-from baton.train.config import config_from_dict
 from baton.train.batches import DataPosition, GlobalBatches, micro_batches
+from baton.train.recipe import config_from_dict
 from baton.train.schedule import lr_at
 from baton.train.trainer import TrainingDiverged, train
 from baton.train.universal import read_universal

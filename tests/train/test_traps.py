@@ -97,8 +97,8 @@ def test_a_pass_through_cannot_reopen_a_trap(recipe, tmp_path, capsys, no_proces
 
 
 def test_extra_keys_that_agree_or_only_tune_pass(recipe):
-    from baton.train.config import load_config
     from baton.train.deepspeed_config import ds_config
+    from baton.train.recipe import load_config
 
     extra = (
         "{train_batch_size: 8, gradient_accumulation_steps: 2, bf16: {enabled: false}, zero_optimization: "

@@ -19,12 +19,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, autocast, lm_loss, loss_scaler, param_groups, step_loss
+from baton.train.backends.base import Layout, StepResult, autocast, lm_loss, loss_scaler, param_groups, step_loss
+from baton.train.backends.readers import read_any
 from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.early_exit import apply_early_exit
-from baton.train.universal import UniversalState, read_any, write_universal
+from baton.train.universal import UniversalState, write_universal
 
 SCALER_FILE = "loss_scaler.json"  # fp16: GradScaler's state, beside the universal state
 

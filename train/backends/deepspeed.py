@@ -37,14 +37,15 @@ import torch
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, lm_loss, param_groups, step_loss
+from baton.train.backends.base import Layout, StepResult, lm_loss, param_groups, step_loss
 from baton.train.backends.deepspeed_ops import use_build_cache
+from baton.train.backends.readers import read_any
 from baton.train.backends.zero_checkpoint import GROUPS_FILE, NVME_STATE, TAG
 from baton.train.compile import compile_layers
 from baton.train.config import TrainConfig
 from baton.train.deepspeed_config import ds_config
 from baton.train.distributed import Dist
-from baton.train.universal import MOMENTS, UniversalState, read_any
+from baton.train.universal import MOMENTS, UniversalState
 
 log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor).*", category=FutureWarning)

@@ -1,8 +1,10 @@
 """megatron-core as a training backend: Baton's architecture as megatron's GPTModel, trained with
 megatron's own tensor/pipeline/data parallelism, schedules, DDP and (distributed) optimizer.
 
-The recipe's `megatron` section sets the layout (tp x pp x dp, virtual pipeline stages, sequence
-parallelism), recomputation and the distributed optimizer (baton.train.config.MegatronConfig).
+The layout comes from the recipe's `parallel` section, as for torch3d: tp x pp x dp, virtual
+pipeline stages (pp_stages_per_rank, with pp_schedule interleaved_1f1b), sequence parallelism;
+the `megatron` section holds megatron's own options, recomputation and the distributed optimizer
+(baton.train.config.MegatronConfig). `MegatronLayout` is the two resolved.
 The model starts from the trainer's Baton model: its weights are laid out into each rank's
 GPTModel chunks by baton.common.megatron_layout, and the handoff is made from the same layout's
 inverse, so the server loads a Megatron run like any other. Checkpoints are megatron's own
@@ -14,6 +16,7 @@ Without CUDA (tests, CI) megatron_compat makes megatron-core 0.16.1 run on the C
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,11 +25,31 @@ import torch.nn.functional as F
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.megatron_layout import baton_to_megatron
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult
-from baton.train.config import MegatronConfig, TrainConfig
-from baton.train.distributed import Dist, init_distributed
+from baton.train.backends.base import Layout, StepResult
+from baton.train.config import RECOMPUTE_MODES, RecomputeConfig, TrainConfig
+from baton.train.distributed import Dist, init_distributed, read_launch
 
 MAKE_VOCAB_DIVISIBLE_BY = 1  # no padding beyond Baton's own vocabulary (it would change the softmax)
+SCHEDULES = ("1f1b", "interleaved_1f1b")  # megatron's pipeline schedules (gpipe is torch3d's only)
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """What the backend runs with: the parallel section's layout (vp: its pp_stages_per_rank;
+    sequence parallelism only where tp > 1, as torch3d) and the megatron section's options."""
+
+    tp: int = 1
+    pp: int = 1
+    vp: int = 1  # virtual pipeline stages per pipeline rank (> 1: the interleaved 1F1B schedule)
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    distributed_optimizer: bool = False
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> MegatronLayout:
+        p, m = cfg.parallel, cfg.megatron
+        sp = p.sequence_parallel and p.tp > 1
+        return cls(p.tp, p.pp, p.pp_stages_per_rank, sp, m.recompute, m.distributed_optimizer)
 
 
 def spec_kind() -> str:
@@ -38,7 +61,7 @@ def spec_kind() -> str:
     return "te"
 
 
-def transformer_config(mc: ModelConfig, m: MegatronConfig, precision: str):
+def transformer_config(mc: ModelConfig, m: MegatronLayout, precision: str):
     """megatron's TransformerConfig for Baton's architecture: RMSNorm, SwiGLU as a gated linear
     unit, GQA through query groups, q/k/v biases only where the model has them, no dropout."""
     from megatron.core.transformer import TransformerConfig
@@ -85,7 +108,7 @@ def transformer_config(mc: ModelConfig, m: MegatronConfig, precision: str):
     )
 
 
-def build_chunks(mc: ModelConfig, tcfg, m: MegatronConfig) -> list:
+def build_chunks(mc: ModelConfig, tcfg, m: MegatronLayout) -> list:
     """This rank's GPTModel chunks (one per virtual pipeline stage), on this rank's device."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -113,7 +136,7 @@ def build_chunks(mc: ModelConfig, tcfg, m: MegatronConfig) -> list:
     return chunks
 
 
-def load_baton_weights(chunks: list, state_dict: dict[str, torch.Tensor], mc: ModelConfig, m: MegatronConfig) -> None:
+def load_baton_weights(chunks: list, state_dict: dict[str, torch.Tensor], mc: ModelConfig, m: MegatronLayout) -> None:
     """Fill this rank's chunks from whole Baton weights (megatron_layout); only the modules'
     `_extra_state` entries may be left out."""
     from megatron.core import parallel_state as ps
@@ -129,7 +152,7 @@ def load_baton_weights(chunks: list, state_dict: dict[str, torch.Tensor], mc: Mo
             raise RuntimeError(f"megatron chunk {v}: missing {missing}, unexpected {unexpected}")
 
 
-def check_model(mc: ModelConfig, m: MegatronConfig) -> None:
+def check_model(mc: ModelConfig, m: MegatronLayout) -> None:
     """What GPTModel cannot train as Baton's architecture, refused before any work (the recipe
     checks run this with the recipe's vocabulary; the backend again with the tokenizer's)."""
 
@@ -146,7 +169,7 @@ def check_model(mc: ModelConfig, m: MegatronConfig) -> None:
     )
     need(
         mc.vocab_size % m.tp == 0,
-        f"vocab_size {mc.vocab_size} is not divisible by megatron.tp={m.tp}: pad the vocabulary in the "
+        f"vocab_size {mc.vocab_size} is not divisible by parallel.tp={m.tp}: pad the vocabulary in the "
         f"recipe (model.vocab_size: a multiple of {m.tp}); megatron's own zero-row padding would change the loss",
     )
     from baton.common.megatron_layout import check_layout
@@ -155,16 +178,41 @@ def check_model(mc: ModelConfig, m: MegatronConfig) -> None:
 
 
 def check_recipe(need, cfg: TrainConfig) -> None:
-    """The recipe's checks for backend megatron (TrainConfig.validate runs them before any work):
-    megatron-core present at the pinned version, the layout against the launcher's world size and
-    the model, options megatron would reject or silently ignore."""
-    from baton.train.config import RECOMPUTE_MODES, RecomputeConfig
-    from baton.train.distributed import read_launch
-
-    m = cfg.megatron
-    for name in ("tp", "pp", "vp"):
-        v = getattr(m, name)
-        need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"megatron.{name} must be >= 1, got {v!r}")
+    """The recipe's checks for backend megatron (baton.train.validate runs them before any work):
+    megatron-core present at the pinned version, the parallel section's layout against the
+    launcher's world size and the model (what megatron cannot lay out is refused, naming the key),
+    options megatron would reject or silently ignore."""
+    p, m = cfg.parallel, cfg.megatron
+    for name in ("tp", "pp", "pp_stages_per_rank"):
+        v = getattr(p, name)
+        need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"parallel.{name} must be >= 1, got {v!r}")
+    need(
+        isinstance(p.dp, int) and not isinstance(p.dp, bool) and (p.dp >= 1 or p.dp == -1),
+        f"parallel.dp must be a positive integer or -1, got {p.dp!r}",
+    )
+    need(
+        p.cp == 1,
+        f"parallel.cp {p.cp}: backend megatron runs no context parallelism (the ring attention is torch3d's); "
+        "use backend torch3d, or parallel.cp 1",
+    )
+    need(p.ep == 1, f"parallel.ep {p.ep}: backend megatron trains no MoE models (expert parallelism is torch3d's)")
+    need(
+        p.pp_schedule in SCHEDULES,
+        f"parallel.pp_schedule must be one of {SCHEDULES} with backend megatron (gpipe is torch3d's), "
+        f"got {p.pp_schedule!r}",
+    )
+    if p.pp_schedule == "interleaved_1f1b":
+        need(p.pp_stages_per_rank >= 2, "pp_schedule interleaved_1f1b needs pp_stages_per_rank >= 2")
+    else:
+        need(
+            p.pp_stages_per_rank == 1,
+            f"pp_schedule {p.pp_schedule} runs one stage per rank: set pp_stages_per_rank=1, or use interleaved_1f1b",
+        )
+    need(
+        p.loss_parallel or p.tp == 1,
+        "parallel.loss_parallel false with tp > 1: megatron's GPTModel always computes the loss on vocabulary "
+        "shards; leave it true (or use backend torch3d)",
+    )
     need(m.recompute in RECOMPUTE_MODES, f"megatron.recompute must be one of {RECOMPUTE_MODES}, got {m.recompute!r}")
     need(
         cfg.recompute == RecomputeConfig(),
@@ -173,12 +221,16 @@ def check_recipe(need, cfg: TrainConfig) -> None:
     need(not cfg.compile, "compile: true is not supported by backend megatron")
     need(cfg.attention == "sdpa", "backend megatron uses megatron's attention core: leave attention at sdpa")
     need(cfg.precision in ("fp32", "bf16"), f"backend megatron runs fp32 or bf16, got precision {cfg.precision!r}")
-    need(not m.sequence_parallel or m.tp > 1, "megatron.sequence_parallel needs megatron.tp > 1")
+    lay = MegatronLayout.of(cfg)
     need(
-        not m.sequence_parallel or cfg.data.seq_len % m.tp == 0,
-        f"megatron.sequence_parallel needs data.seq_len {cfg.data.seq_len} divisible by tp={m.tp}",
+        not lay.sequence_parallel or cfg.data.seq_len % lay.tp == 0,
+        f"parallel.sequence_parallel needs data.seq_len {cfg.data.seq_len} divisible by tp={lay.tp} "
+        "(or set parallel.sequence_parallel: false)",
     )
-    need(m.vp == 1 or m.pp > 1, "megatron.vp > 1 (interleaved pipeline) needs megatron.pp > 1")
+    need(
+        lay.vp == 1 or lay.pp > 1,
+        f"parallel.pp_stages_per_rank {lay.vp} (megatron's interleaved pipeline) needs parallel.pp > 1",
+    )
     try:
         import megatron.core
     except ImportError:
@@ -192,20 +244,25 @@ def check_recipe(need, cfg: TrainConfig) -> None:
     )
     world = read_launch().world_size
     need(
-        world % (m.tp * m.pp) == 0,
-        f"world size {world} is not divisible by megatron.tp x megatron.pp = {m.tp} x {m.pp}",
+        world % (lay.tp * lay.pp) == 0,
+        f"world size {world} is not divisible by parallel.tp x parallel.pp = {lay.tp} x {lay.pp}",
     )
-    accum = cfg.accum_steps(max(1, world // (m.tp * m.pp)))
+    dp = world // (lay.tp * lay.pp)
     need(
-        m.pp == 1 or accum >= m.pp,
-        f"megatron's pipeline schedules need at least pp={m.pp} micro-batches per step, got {accum} "
+        p.dp in (-1, dp),
+        f"parallel.dp x tp x pp = {p.dp} x {lay.tp} x {lay.pp} = {p.dp * lay.tp * lay.pp} != world size {world}",
+    )
+    accum = cfg.accum_steps(max(1, dp))
+    need(
+        lay.pp == 1 or accum >= lay.pp,
+        f"megatron's pipeline schedules need at least pp={lay.pp} micro-batches per step, got {accum} "
         "(raise global_batch_size or grad_accum_steps)",
     )
     need(
-        m.vp == 1 or accum % m.pp == 0,
-        f"megatron's interleaved schedule needs the micro-batches per step ({accum}) to be a multiple of pp={m.pp}",
+        lay.vp == 1 or accum % lay.pp == 0,
+        f"megatron's interleaved schedule needs the micro-batches per step ({accum}) to be a multiple of pp={lay.pp}",
     )
-    check_model(cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024)), m)
+    check_model(cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024)), lay)
 
 
 class MegatronBackend:
@@ -215,16 +272,20 @@ class MegatronBackend:
         megatron_compat.activate()
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        m, mc = cfg.megatron, model.config
+        m, mc = MegatronLayout.of(cfg), model.config
         check_model(mc, m)
         if not torch.distributed.is_initialized():  # megatron keeps its groups in torch.distributed
             init_distributed(need_group=True)
         self.cfg, self.m, self.mc, self.dist = cfg, m, mc, dist
+        self.spec = spec_kind()  # the layer spec the chunks are built with (megatron_ckpt names by it)
         self.layout = Layout("megatron", dist.world_size, precision=cfg.precision)
         self.dp = dist.world_size // (m.tp * m.pp)
         self.grad_clip, self.weight_decay = cfg.optim.grad_clip, cfg.optim.weight_decay
@@ -298,8 +359,9 @@ class MegatronBackend:
         return self.dist.all_reduce_sum(total).item()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        from baton.common import megatron_compat
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        from baton.common import megatron_compat
 
         for c in self.chunks:
             c.zero_grad_buffer()
@@ -337,12 +399,13 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------------- checkpoints
     def save(self, directory) -> None:
-        from baton.train.backends import megatron_ckpt
+        # (not `from baton.train.backends import ...`: that names the package, whose factory imports us)
+        import baton.train.backends.megatron_ckpt as megatron_ckpt
 
         megatron_ckpt.save(self, directory)
 
     def load(self, directory, saved: Layout) -> None:
-        from baton.train.backends import megatron_ckpt
+        import baton.train.backends.megatron_ckpt as megatron_ckpt
 
         megatron_ckpt.load(self, directory, saved)
 

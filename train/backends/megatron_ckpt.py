@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from baton.common.config import ConfigError
 from baton.common.megatron_layout import megatron_to_baton
-from baton.train.backends import Layout
+from baton.train.backends.base import Layout
 from baton.train.universal import WEIGHTS_FILE
 
 MEGATRON_DIR = "megatron"
@@ -154,6 +154,4 @@ def whole_weights(backend) -> dict[str, torch.Tensor]:
     if not backend.dist.is_main:
         return {}
     shards = {k: sd for part in parts for k, sd in part.items()}
-    from baton.train.backends.megatron import spec_kind
-
-    return megatron_to_baton(shards, backend.mc, spec=spec_kind())
+    return megatron_to_baton(shards, backend.mc, spec=backend.spec)

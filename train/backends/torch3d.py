@@ -19,7 +19,7 @@ import torch
 
 from baton.common.config import ConfigError
 from baton.common.model import AttentionBackend, CausalLM
-from baton.train.backends import Layout, StepResult, step_loss
+from baton.train.backends.base import Layout, StepResult, step_loss
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.parallel import checkpoint
@@ -27,7 +27,6 @@ from baton.train.parallel.layout import ParallelConfig, check_layout, data_paral
 from baton.train.parallel.mesh import build_mesh
 from baton.train.parallel.parallelize import Parallel3D
 
-DCP_DIR = "dcp"  # the shards, inside the step checkpoint directory
 LAYOUT_FILE = "parallel_layout.json"
 
 
@@ -69,7 +68,7 @@ class Torch3DBackend:
         return self.engine.eval_loss(batch)
 
     def save(self, directory: Path) -> None:
-        checkpoint.save(self.engine, directory / DCP_DIR)
+        checkpoint.save(self.engine, directory / checkpoint.DCP_DIR)
         if self.dist.is_main:
             (directory / LAYOUT_FILE).write_text(json.dumps(asdict(self.layout3d), indent=2) + "\n")
 
@@ -80,7 +79,7 @@ class Torch3DBackend:
                 "its own (DCP) checkpoints, at any layout. Resume it with its own backend, or start a "
                 "new run from its weights: `baton export` it and set init_from to the export"
             )
-        checkpoint.load(self.engine, directory / DCP_DIR)
+        checkpoint.load(self.engine, directory / checkpoint.DCP_DIR)
 
     def memory(self) -> dict[str, Any]:
         return self.engine.memory()

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from baton.train.parallel.parallelize import Parallel3D
 from baton.train.universal import UniversalState
 
+DCP_DIR = "dcp"  # the shards, inside backend torch3d's step checkpoint directory
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -2,7 +2,9 @@
 rejects impossible ones.
 
 Everything here is arithmetic on the config and the world size, so a bad layout fails with a
-clear message before any process group, mesh or weight exists.
+clear message before any process group, mesh or weight exists. `ParallelConfig` is the recipe's
+`parallel` section, the layout of both backend torch3d and backend megatron (which checks it its
+own way: baton.train.backends.megatron.check_recipe); `check_layout` is torch3d's check.
 """
 
 from __future__ import annotations

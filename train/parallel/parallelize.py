@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
-from baton.train.backends import COMPUTE_DTYPES, autocast, param_groups
+from baton.train.backends.base import COMPUTE_DTYPES, autocast, param_groups
 from baton.train.compile import compile_layers
 from baton.train.config import OptimConfig, RecomputeConfig
 from baton.train.distributed import rank_device

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from baton.train.universal import read_any
+from baton.train.backends.readers import read_any
 
 from ..conftest import environment, losses, run, train_args
 
@@ -93,7 +93,7 @@ def test_handoff_of_a_torch3d_run(trained, tmp_path):
             [*TORCH3D, "parallel.pp=2", "global_batch_size=4"],
             "1f1b needs at least as many micro-batches per step as pipeline ranks: 1 micro-batches < pp=2",
         ),
-        ("1", ["parallel.tp=2"], "the parallel section needs backend: torch3d"),
+        ("1", ["parallel.tp=2"], "the parallel section needs backend: torch3d or megatron"),
     ],
 )
 def test_recipe_with_impossible_layout_fails_before_starting(

@@ -77,8 +77,8 @@ def run_backend(name: str, out: Path) -> None:
     (build_backend attaches the router losses from the recipe's moe section); losses and norms."""
     from baton.common.model import DenseCausalAttention
     from baton.train.backends import build_backend
-    from baton.train.config import config_from_dict
     from baton.train.distributed import Dist
+    from baton.train.recipe import config_from_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = config_from_dict(

@@ -44,17 +44,18 @@ MODEL = {  # vocab padded to 128 so that tp=2 splits it evenly (the char tokeniz
 }
 SMOKE_MODEL = {**MODEL, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
 SEQ, MICRO, GLOBAL = 128, 4, 16
-# layout -> (torch3d overrides, megatron overrides)
+# layout -> (torch3d overrides, megatron overrides): one parallel: section serves both backends
+PP2_INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"]
 LAYOUTS = {
     "dp2": (["parallel.dp=2", "parallel.dp_mode=ddp"], []),
     "dp2_sharded": (["parallel.dp=2"], ["megatron.distributed_optimizer=true"]),
-    "tp2": (["parallel.tp=2", "parallel.sequence_parallel=false"], ["megatron.tp=2"]),
-    "tp2_sp": (["parallel.tp=2"], ["megatron.tp=2", "megatron.sequence_parallel=true"]),
-    "pp2": (["parallel.pp=2"], ["megatron.pp=2"]),
-    "pp2_interleaved": (
-        ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"],
-        ["megatron.pp=2", "megatron.vp=2"],
+    "tp2": (
+        ["parallel.tp=2", "parallel.sequence_parallel=false"],
+        ["parallel.tp=2", "parallel.sequence_parallel=false"],
     ),
+    "tp2_sp": (["parallel.tp=2"], ["parallel.tp=2"]),
+    "pp2": (["parallel.pp=2"], ["parallel.pp=2"]),
+    "pp2_interleaved": (PP2_INTERLEAVED, PP2_INTERLEAVED),
 }
 SMOKE_LAYOUTS = ("tp2",)
 

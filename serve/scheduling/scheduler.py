@@ -23,7 +23,7 @@ from baton.serve.core.sequence import Sequence, SequenceStatus
 from baton.serve.core.token_tree import clear_speculation
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.block_manager import BlockManager, BlockOps
-from baton.serve.scheduling.streaming import EvictionPolicy, StreamingLLMPolicy
+from baton.serve.scheduling.streaming import EvictionPolicy
 
 
 def slots(seq: Sequence) -> int:
@@ -88,13 +88,9 @@ class Scheduler:
                 f"n is {params.n}, more than the {self.config.max_num_seqs} sequences a batch holds (max_num_seqs)"
             )
         cached = num_prompt + params.max_tokens - 1  # the last token's KV is never computed
-        if isinstance(self.eviction, StreamingLLMPolicy):  # evicted down to sinks + window + a part block
-            sinks = -(-self.eviction.num_sink_tokens // bs) * bs
-            cached = min(cached, sinks + self.eviction.window_tokens + bs - 1)  # (+ the token computed)
-            if not self.config.enable_chunked_prefill:  # (with it, a longer prompt is chunked: see _chunk)
-                cached = max(cached, num_prompt)
-        else:
-            cached = min(cached, max_model_len - 1)
+        chunked = self.config.enable_chunked_prefill
+        bound = self.eviction.cached_bound(num_prompt, bs, chunked) if self.eviction is not None else None
+        cached = min(cached, max_model_len - 1 if bound is None else bound)
         if -(-cached // bs) > pool:
             raise ValueError(
                 f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "

@@ -28,6 +28,10 @@ class EvictionPolicy(Protocol):
     def take_rerotations(self) -> list[tuple[list[int], int]]:
         """(block ids, positions to shift their cached keys left) queued by evict() since the last call."""
 
+    def cached_bound(self, num_prompt: int, block_size: int, chunked_prefill: bool) -> int | None:
+        """The most tokens one sequence ever holds in the cache (admission sizes it by this), or None:
+        no bound beyond the model's context."""
+
 
 @dataclass
 class StreamingLLMPolicy:
@@ -53,6 +57,13 @@ class StreamingLLMPolicy:
         out, self.pending_rerotations = self.pending_rerotations, []
         return out
 
+    def cached_bound(self, num_prompt: int, block_size: int, chunked_prefill: bool) -> int | None:
+        """Evicted down to sinks + window + a part block (+ the token computed); without chunked
+        prefill a longer prompt is cached whole first (with it, it is chunked: Scheduler._chunk)."""
+        sinks = -(-self.num_sink_tokens // block_size) * block_size
+        bound = sinks + self.window_tokens + block_size - 1
+        return bound if chunked_prefill else max(bound, num_prompt)
+
 
 @dataclass
 class SlidingWindowPolicy:
@@ -68,3 +79,6 @@ class SlidingWindowPolicy:
 
     def take_rerotations(self) -> list[tuple[list[int], int]]:
         return []  # positions stay absolute: nothing moves
+
+    def cached_bound(self, num_prompt: int, block_size: int, chunked_prefill: bool) -> int | None:
+        return None  # freed blocks are reused, but the positions (and the context) run on

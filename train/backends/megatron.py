@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.megatron_layout import baton_to_megatron
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends.base import Layout, StepResult
 from baton.train.config import RECOMPUTE_MODES, RecomputeConfig, TrainConfig
 from baton.train.distributed import Dist, init_distributed, read_launch
+from baton.train.parallel.layout import check_stages_per_rank
 
 MAKE_VOCAB_DIVISIBLE_BY = 1  # no padding beyond Baton's own vocabulary (it would change the softmax)
 SCHEDULES = ("1f1b", "interleaved_1f1b")  # megatron's pipeline schedules (gpipe is torch3d's only)
@@ -201,13 +201,7 @@ def check_recipe(need, cfg: TrainConfig) -> None:
         f"parallel.pp_schedule must be one of {SCHEDULES} with backend megatron (gpipe is torch3d's), "
         f"got {p.pp_schedule!r}",
     )
-    if p.pp_schedule == "interleaved_1f1b":
-        need(p.pp_stages_per_rank >= 2, "pp_schedule interleaved_1f1b needs pp_stages_per_rank >= 2")
-    else:
-        need(
-            p.pp_stages_per_rank == 1,
-            f"pp_schedule {p.pp_schedule} runs one stage per rank: set pp_stages_per_rank=1, or use interleaved_1f1b",
-        )
+    check_stages_per_rank(need, p)
     need(
         p.loss_parallel or p.tp == 1,
         "parallel.loss_parallel false with tp > 1: megatron's GPTModel always computes the loss on vocabulary "
@@ -359,9 +353,8 @@ class MegatronBackend:
         return self.dist.all_reduce_sum(total).item()
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
         from baton.common import megatron_compat
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         for c in self.chunks:
             c.zero_grad_buffer()

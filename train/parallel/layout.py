@@ -130,13 +130,7 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
         f"{stages} pipeline stages (pp={par.pp} x pp_stages_per_rank={par.pp_stages_per_rank}) but only "
         f"{model.num_hidden_layers} layers: every stage needs at least one layer",
     )
-    if par.pp_schedule == "interleaved_1f1b":
-        need(par.pp_stages_per_rank >= 2, "pp_schedule interleaved_1f1b needs pp_stages_per_rank >= 2")
-    else:
-        need(
-            par.pp_stages_per_rank == 1,
-            f"pp_schedule {par.pp_schedule} runs one stage per rank: set pp_stages_per_rank=1, or use interleaved_1f1b",
-        )
+    check_stages_per_rank(need, par)
     if par.pp > 1:
         need(
             not model.tie_word_embeddings,
@@ -178,6 +172,17 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
         par.dp_mode,
         par.ep,
     )
+
+
+def check_stages_per_rank(need, par: ParallelConfig) -> None:
+    """Interleaved 1F1B and only it runs several stages per rank (megatron's vp): both backends."""
+    if par.pp_schedule == "interleaved_1f1b":
+        need(par.pp_stages_per_rank >= 2, "pp_schedule interleaved_1f1b needs pp_stages_per_rank >= 2")
+    else:
+        need(
+            par.pp_stages_per_rank == 1,
+            f"pp_schedule {par.pp_schedule} runs one stage per rank: set pp_stages_per_rank=1, or use interleaved_1f1b",
+        )
 
 
 def _check_ep(need, par: ParallelConfig, model: ModelConfig, dp: int) -> None:

@@ -182,7 +182,7 @@ def step_phases(dtype: str, batches=(1, 16, 64), steps: int = 30) -> dict:
     import collections
     import functools
 
-    import baton.serve.engine as engine_module
+    import baton.serve.engine.engine as engine_module
     import serve_vs_vllm  # (this folder) its 25M checkpoint and limits
 
     ckpt = serve_vs_vllm.write_checkpoint(Path(tempfile.gettempdir()) / "baton-step-phases", "25M", dtype)

@@ -409,14 +409,14 @@ def plot(samples: list[dict], windows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=None, help="default 3000 (--smoke: 200)")
+    ap.add_argument("--requests", type=int, default=None, help="default 30000 (--smoke: 200)")
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--burst", type=int, default=48, help="chat requests that open the load together")
     ap.add_argument("--smoke", action="store_true", help="a 2-layer model and 200 requests")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     if args.requests is None:
-        args.requests = 200 if args.smoke else 3000
+        args.requests = 200 if args.smoke else 30000
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

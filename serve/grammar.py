@@ -19,6 +19,7 @@ verification keeps), so it only ever keeps tokens the grammar allows.
 from __future__ import annotations
 
 import collections
+import logging
 import re
 import threading
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from baton.serve.core.structured import SequenceGrammar, StructuredOutputs
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+log = logging.getLogger(__name__)
 _CACHE_ENTRIES = 256  # compiled grammars kept (LRU); each is a few KB to a few MB
 # the string character classes xgrammar writes (plain strings; length-limited ones)
 _STRING_CHARS = re.compile(re.escape(r"[^\0-\x1f\"\\\r\n]") + "|" + re.escape(r"[^\"\\\r\n]"))
@@ -59,16 +61,24 @@ class GrammarCache:
         self._compiler: xgr.GrammarCompiler | None = None  # built on the first structured request
         self._compiled: collections.OrderedDict[tuple[str, str], xgr.CompiledGrammar] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._unavailable: str | None = None  # why prepare() could not build the compiler
 
     def prepare(self) -> None:
         """Build the compiler now (servers call this when the model loads, so no request imports
-        xgrammar or builds its tokenizer data); a model that cannot constrain is left to say so
-        to each structured request."""
+        xgrammar or builds its tokenizer data). A model that cannot constrain still serves: each
+        structured request is told why."""
         with self._lock:
-            if self.tokenizer is not None and self.eos_ids:
+            if self.tokenizer is None or not self.eos_ids:
+                return  # _get_compiler says so per request
+            try:
                 self._get_compiler()
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer xgrammar cannot read
+                self._unavailable = f"structured outputs are unavailable for this model: {type(e).__name__}: {e}"
+                log.warning("%s", self._unavailable)
 
     def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._unavailable is not None:
+            raise ValueError(self._unavailable)
         if self._compiler is None:
             if self.tokenizer is None:
                 raise ValueError("structured outputs need the checkpoint's tokenizer; this model has none")

@@ -295,3 +295,26 @@ def test_grpc_and_kserve(llama_dir):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "JSON schema" in e.value.details()
     finally:
         server.stop()
+
+
+def test_a_model_xgrammar_cannot_read_still_serves(llama_dir, monkeypatch, caplog):
+    """Servers build the grammar compiler when the model loads; if xgrammar cannot take the model's
+    tokenizer, loading goes on (a warning says why) and each structured request is refused with
+    that reason, while unconstrained requests are served."""
+
+    def unreadable(*args, **kwargs):
+        raise RuntimeError("this vocabulary cannot be read")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", unreadable)
+    engine = LLMEngine.from_checkpoint(llama_dir)
+    with caplog.at_level("WARNING", logger="baton.serve.grammar"):
+        engine.grammars.prepare()
+    assert "structured outputs are unavailable for this model: RuntimeError: this vocabulary" in caplog.text
+    spec = SamplingParams(max_tokens=4, structured=StructuredOutputs(regex="[a-z]+"))
+    with pytest.raises(ValueError, match="^structured outputs are unavailable for this model"):
+        engine.add_request("constrained", "The", spec)
+    engine.add_request("plain", "The", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in finals] == [("plain", 3)]

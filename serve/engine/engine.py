@@ -442,8 +442,6 @@ class LLMEngine:
             s = self.scheduler
             live = s.running + s.waiting + s.swapped
             problem = self.block_manager.problem(live)
-            if problem is None and self.block_manager.states is not None:
-                problem = self.block_manager.states.problem(live)
             if problem is not None:
                 raise EngineFault(f"the KV cache does not add up after failing requests: {problem}")
         for out in outputs:

@@ -304,8 +304,9 @@ class BlockManager:
 
     def problem(self, live: Iterable[Sequence]) -> str | None:
         """None if every block's ref count equals the live block tables holding it, the free list is
-        exactly the unreferenced blocks and the host pool's free and held blocks add up; else why not
-        (the engine recounts after failing requests: serve/core/faults.py)."""
+        exactly the unreferenced blocks, the host pool's free and held blocks add up, and a hybrid's
+        state slots add up too; else why not (the engine recounts after failing requests:
+        serve/core/faults.py)."""
         live = list(live)
         refs = Counter(b for s in live for b in s.block_table if b >= 0)
         wrong = [b.block_id for b in self.blocks if b.ref_count != refs.get(b.block_id, 0)]
@@ -324,4 +325,4 @@ class BlockManager:
             or len(set(held) | set(self.host_free)) != self.num_host_blocks
         ):
             return f"the host swap pool has {len(self.host_free)} free and {len(held)} held blocks, not its {self.num_host_blocks}"
-        return None
+        return None if self.states is None else self.states.problem(live)

@@ -231,14 +231,17 @@ def test_unknown_names_and_unroutable_prompts(server):
 def test_unload_and_load_experts_while_another_streams(coe, server):
     ref = offline(coe["experts"]["coder"], ["def f(x):"], 160, ignore_eos=True)[0][0]
     got, errors = [], []
-    started = threading.Event()
+    started, resume = threading.Event(), threading.Event()
 
     def stream() -> None:
+        # After its first chunk the stream stops reading until the experts have come and gone, so its RPC is
+        # open through all of it however fast the machine generates (a timing race made this flaky in CI).
         try:
             with BatonClient(server.target, timeout=120) as c:
                 for msg in c.generate("def f(x):", model="coder", max_tokens=160, temperature=0.0, ignore_eos=True):
                     got.extend(msg.completions[0].token_ids)
                     started.set()
+                    resume.wait(120)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
             started.set()
@@ -272,6 +275,7 @@ def test_unload_and_load_experts_while_another_streams(coe, server):
             reply = c.complete(PROMPTS[0], model="poet", max_tokens=MAX_TOKENS, temperature=0.0)
             assert list(reply.completions[0].token_ids) == want
     finally:
+        resume.set()
         worker.join(120)
         client.close()
     assert not errors and got == ref, errors

@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from baton.common.errors import UserError
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "bamba")
-ROPE_TYPES = ("default", "linear", "llama3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "bamba", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "olmo2")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+QK_NORMS = ("head", "full")  # RMSNorm of each head's q/k (Qwen3, Gemma 3) or of the whole q/k projection (OLMo 2)
+NORM_LAYOUTS = ("pre", "sandwich", "post")  # Llama; Gemma 3 (norms before and after each block); OLMo 2 (after)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: SwiGLU or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 BAMBA_FIELDS = (
     "attn_layer_indices",
@@ -32,6 +34,50 @@ BAMBA_FIELDS = (
     "mamba_conv_bias",
     "mamba_proj_bias",
     "time_step_limit",
+)
+# What each family fixes: a config of that model_type gets these values where it left the field at its
+# default, and is refused where it set another (transformers would read the exported config.json as a
+# different model). Every other family has the defaults of these fields.
+FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "qwen3": {"qk_norm": "head"},
+    "qwen3_moe": {"qk_norm": "head"},
+    "gemma3_text": {
+        "qk_norm": "head",
+        "norm_layout": "sandwich",
+        "norm_weight_offset": 1.0,
+        "scale_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "gpt_oss": {"attention_sinks": True, "router_bias": True, "expert_bias": True},
+    "olmo2": {"qk_norm": "full", "norm_layout": "post"},
+}
+STRUCTURAL = ("qk_norm", "norm_layout", "norm_weight_offset", "scale_embeddings", "hidden_act", "attention_sinks")
+STRUCTURAL += ("router_bias", "expert_bias")
+GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_rope_theta")
+# Values a family's config may change, filled in where a config leaves them unset (None).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": False},
+    "gpt_oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+}
+# New-family fields, left out of to_dict() where at their defaults (older families' dicts stay as they were).
+FAMILY_FIELDS = (
+    "qk_norm",
+    "norm_layout",
+    "norm_weight_offset",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "attention_sinks",
+    "sliding_rope_theta",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "router_bias",
+    "expert_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
 )
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -83,6 +129,25 @@ class ModelConfig:
     # LayerSkip-trained exits (baton.train.early_exit): E = the output after the first E layers
     # through the final norm and LM head, which the server may draft or exit from.
     early_exit_layers: list[int] | None = None
+    # --- the 2025-26 families (Qwen3, Qwen3-MoE, Gemma 3, gpt-oss, OLMo 2): each a feature, not a family
+    qk_norm: str | None = None  # None, "head" or "full" (QK_NORMS)
+    norm_layout: str = "pre"  # NORM_LAYOUTS
+    norm_weight_offset: float = 0.0  # RMSNorm multiplies by (offset + w): Gemma stores w around 0 (offset 1)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # softmax scale query_pre_attn_scalar**-0.5 instead of head_dim**-0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    attention_sinks: bool = False  # a learned logit per head in every softmax's denominator (gpt-oss)
+    sliding_rope_theta: float | None = None  # sliding layers' own rope base, unscaled (Gemma 3); None: rope_theta
+    # MoE beyond Mixtral
+    moe_intermediate_size: int | None = None  # an expert's width; None: intermediate_size
+    norm_topk_prob: bool | None = None  # renormalise the top-k routing weights; None: the family's (Mixtral yes)
+    mlp_only_layers: list[int] | None = None  # Qwen3-MoE: these layers keep a dense MLP
+    decoder_sparse_step: int = 1  # Qwen3-MoE: layer i is sparse when (i + 1) % step == 0
+    router_bias: bool = False  # gpt-oss: the router has a bias, softmax over the top-k logits
+    expert_bias: bool = False  # gpt-oss: every expert projection has a bias
+    swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: (up + 1) * g * sigmoid(alpha * g)
+    swiglu_limit: float | None = None  # ... with g <= limit and |up| <= limit
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
 
     def __post_init__(self) -> None:
@@ -92,12 +157,25 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.model_type is None:
             self.model_type = self.infer_model_type()
+        self._apply_family_defaults()
         if self.mamba_d_head is None and self.mamba_n_heads:
             self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
         self.time_step_limit = [float(v) for v in self.time_step_limit]
         self.validate()
 
     # ----------------------------------------------------------------------------- validation
+    def _apply_family_defaults(self) -> None:
+        """`model_type: qwen3` in a recipe means Qwen3's q/k norms without spelling them out."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, value in FAMILY_FEATURES.get(self.model_type, {}).items():
+            if getattr(self, name) == defaults[name]:
+                setattr(self, name, value)
+        for name, value in FAMILY_DEFAULTS.get(self.model_type, {}).items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.norm_topk_prob is None:
+            self.norm_topk_prob = True
+
     def infer_model_type(self) -> str:
         """The HF family that can represent these features (used when exporting)."""
         if self.num_local_experts > 0:
@@ -136,7 +214,7 @@ class ModelConfig:
         need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
-        need(self.hidden_act == "silu", f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
+        need(self.hidden_act in HIDDEN_ACTS, f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
         need(self.torch_dtype in DTYPES, f"torch_dtype must be one of {sorted(DTYPES)}, got {self.torch_dtype!r}")
         need(self.model_type in MODEL_TYPES, f"model_type must be one of {MODEL_TYPES}, got {self.model_type!r}")
         if self.sliding_window is not None:
@@ -172,6 +250,7 @@ class ModelConfig:
             f"early_exit_layers must be sorted distinct layer counts in 1..{self.num_hidden_layers - 1}, got {e!r}",
         )
         self._validate_rope_scaling(need)
+        self._validate_features(need)
         self._validate_family(need)
         if self.model_type == "bamba":
             self._validate_bamba(need)
@@ -185,6 +264,12 @@ class ModelConfig:
         need(rope_type in ROPE_TYPES, f"rope_scaling type {rope_type!r} is not supported (use one of {ROPE_TYPES})")
         if rope_type in ("linear", "llama3"):
             need(float(rs.get("factor", 0)) > 0, "rope_scaling.factor must be positive")
+        if rope_type == "yarn":
+            need(float(rs.get("factor", 0)) > 0, "yarn rope_scaling.factor must be positive")
+            known = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
+            known |= {"attention_factor", "truncate"}
+            unknown = sorted(set(rs) - known)
+            need(not unknown, f"yarn rope_scaling key(s) {unknown} are not implemented")
         if rope_type == "llama3":
             for key in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 need(key in rs, f"llama3 rope_scaling needs {key!r}")
@@ -193,21 +278,76 @@ class ModelConfig:
                 "llama3 rope_scaling needs high_freq_factor > low_freq_factor",
             )
 
+    def _validate_features(self, need) -> None:
+        """Each new feature's own values (which family may use it is _validate_family's)."""
+        need(self.qk_norm in (None, *QK_NORMS), f"qk_norm must be null or one of {QK_NORMS}, got {self.qk_norm!r}")
+        need(self.norm_layout in NORM_LAYOUTS, f"norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
+        for name in (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "sliding_rope_theta",
+        ):
+            value = getattr(self, name)
+            need(value is None or value > 0, f"{name} must be positive or null, got {value!r}")
+        m = self.moe_intermediate_size
+        need(
+            m is None or (isinstance(m, int) and m > 0), f"moe_intermediate_size must be a positive integer, got {m!r}"
+        )
+        need(self.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        dense = self.mlp_only_layers or []
+        need(
+            all(isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in dense),
+            f"mlp_only_layers must be layer indices in 0..{self.num_hidden_layers - 1}, got {dense}",
+        )
+        need(
+            (self.swiglu_alpha is None) == (self.swiglu_limit is None),
+            "swiglu_alpha and swiglu_limit come together (gpt-oss's clamped SwiGLU)",
+        )
+
     def _validate_family(self, need) -> None:
         """The exported config.json must mean the same thing to transformers."""
         t = self.model_type
+        moe_families = ("mixtral", "qwen3_moe", "gpt_oss")
         need(
-            t == "mixtral" or self.num_local_experts == 0,
-            f"model_type {t!r} has no MoE; use model_type 'mixtral' for num_local_experts > 0",
+            t in moe_families or self.num_local_experts == 0,
+            f"model_type {t!r} has no MoE; use one of {moe_families} for num_local_experts > 0",
         )
-        need(t != "mixtral" or self.num_local_experts > 0, "model_type 'mixtral' needs num_local_experts > 0")
+        need(
+            t not in ("mixtral", "gpt_oss") or self.num_local_experts > 0,
+            f"model_type {t!r} needs num_local_experts > 0",
+        )
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        fixed = FAMILY_FEATURES.get(t, {})
+        for name in STRUCTURAL:
+            want = fixed.get(name, defaults[name])
+            need(getattr(self, name) == want, f"model_type {t!r} has {name}={want!r}, got {getattr(self, name)!r}")
+        gemma_only = (
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "sliding_rope_theta",
+        )
+        for name in gemma_only:
+            need(t == "gemma3_text" or getattr(self, name) is None, f"{name} is Gemma 3's; model_type {t!r} has none")
+        need(
+            (t == "gpt_oss") == (self.swiglu_alpha is not None),
+            f"the clamped SwiGLU (swiglu_alpha/limit) is gpt-oss's and only gpt-oss's, model_type {t!r}",
+        )
+        for name in ("moe_intermediate_size", "mlp_only_layers"):
+            need(t == "qwen3_moe" or getattr(self, name) is None, f"{name} is Qwen3-MoE's; model_type {t!r} has none")
+        need(t == "qwen3_moe" or self.decoder_sparse_step == 1, f"decoder_sparse_step is Qwen3-MoE's; not {t!r}'s")
+        need(
+            t == "qwen3_moe" or self.norm_topk_prob,
+            f"model_type {t!r} always renormalises the top-k routing weights (norm_topk_prob is Qwen3-MoE's)",
+        )
         need(
             (t == "qwen2") == self.qkv_bias,
             "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
             f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {self.qkv_bias})",
         )
         need(
-            t in ("llama", "bamba") or not self.attention_bias,
+            t not in ("mistral", "qwen2", "mixtral") or not self.attention_bias,
             f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it",
         )
         need(
@@ -215,15 +355,15 @@ class ModelConfig:
             f"attn_layer_indices picks Bamba's attention layers; model_type {t!r} has no other kind",
         )
         need(
-            t != "llama" or self.sliding_window is None,
-            "Llama has no sliding-window attention; use model_type 'mistral'",
+            t not in ("llama", "olmo2") or self.sliding_window is None,
+            f"model_type {t!r} has no sliding-window attention",
         )
         need(
-            t == "qwen2"
+            t in ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
             or self.layer_types is None
             or set(self.layer_types) == {"sliding_attention"}
             or set(self.layer_types) == {"full_attention"},
-            f"per-layer attention types are Qwen2's; model_type {t!r} cannot express mixed layer_types",
+            f"model_type {t!r} cannot express mixed layer_types",
         )
 
     def _validate_bamba(self, need) -> None:
@@ -272,6 +412,21 @@ class ModelConfig:
         """Channels of each head that RoPE rotates (Bamba: the first half, HF's partial_rotary_factor 0.5)."""
         return self.head_dim // 2 if self.is_hybrid else self.head_dim
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Routed experts in this layer (Qwen3-MoE may keep dense MLPs in some)."""
+        if self.num_local_experts == 0 or layer_idx in (self.mlp_only_layers or []):
+            return False
+        return (layer_idx + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_attribute(self) -> str:
+        """The MoE block's checkpoint name in a decoder layer: Mixtral's `block_sparse_moe`, else `mlp`."""
+        return "block_sparse_moe" if self.model_type == "mixtral" else "mlp"
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
     def is_sliding(self, layer_idx: int) -> bool:
         if self.sliding_window is None:
             return False
@@ -318,6 +473,10 @@ class ModelConfig:
         d.pop("extra")
         if self.early_exit_layers is None:  # (dicts of models without exits stay as they were)
             d.pop("early_exit_layers")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in FAMILY_FIELDS:
+            if d[name] == defaults[name] or (name == "norm_topk_prob" and self.model_type != "qwen3_moe"):
+                d.pop(name)
         if not self.is_hybrid:
             for name in BAMBA_FIELDS:
                 d.pop(name)

@@ -23,7 +23,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-
 from baton.common.corpus import cache_root, default_corpus_path
 from baton.common.tokenizer import Tokenizer
 

@@ -16,7 +16,6 @@ import threading
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import (
     TOKENIZER_FILES,
     HandoffMetadata,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from baton.common.ssm import Mamba2Mixer, MambaState
 
 

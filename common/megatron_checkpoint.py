@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from baton.common.checkpoint import (
     TOKENIZER_FILES,
     CheckpointError,

@@ -22,7 +22,6 @@ import re
 from collections.abc import Mapping
 
 import torch
-
 from baton.common.config import ConfigError, ModelConfig
 
 Tensor = torch.Tensor

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from baton.common.config import ModelConfig
 from baton.kernels.ssd_scan import ssd_scan
+from torch import nn
 
 
 @dataclass

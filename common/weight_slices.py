@@ -12,9 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from baton.common.checkpoint import CheckpointError, weight_files
+from safetensors import safe_open
 
 
 class WeightSlices:

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
 from baton.common.model import AttentionBackend, DenseCausalAttention
 from baton.kernels.flash_attention import flash_attn_varlen_triton
 

@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass
 
 import datasets
 import torch
-
 from baton.common.data import torch_loader
 
 

@@ -24,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
-
 from baton.common.checkpoint import atomic_directory
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.hf import config_to_hf
@@ -35,6 +33,7 @@ from baton.train.backends import Backend, Layout
 from baton.train.batches import GlobalBatches
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
+from safetensors.torch import load_file, save_file
 
 log = logging.getLogger(__name__)
 

@@ -31,12 +31,11 @@ import logging
 import shutil
 
 import torch
+from baton.common.model import DecoderLayer, HybridDecoderLayer
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
-
-from baton.common.model import DecoderLayer, HybridDecoderLayer
 
 log = logging.getLogger(__name__)
 

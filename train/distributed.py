@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from baton.common.errors import UserError
 from baton.common.launch import LAUNCHER_VARS, env_int, free_port, read_launch
 

@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from baton.common.model import CausalLM
+from torch import nn
 
 DROPOUT_SHAPES = ("linear", "exp")
 DROPOUT_WARMUPS = ("none", "exp")

@@ -18,7 +18,6 @@ import logging
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
 from baton.common.config import ModelConfig
 from baton.train.backends.readers import read_any

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from baton.common.config import ModelConfig
 
 log = logging.getLogger(__name__)

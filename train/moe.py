@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from baton.common.moe import MoE
 from torch import nn
-
-from baton.common.model import MoE
 
 
 class AuxLossAutoScaler(torch.autograd.Function):

@@ -12,7 +12,6 @@ import re
 from typing import Any
 
 import yaml
-
 from baton.common.config import ConfigError
 
 _EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")

@@ -26,14 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
 from baton.common.checkpoint import CheckpointError, expected_shapes
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.common.weight_slices import WeightSlices
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 if TYPE_CHECKING:
     from baton.train.config import TrainConfig

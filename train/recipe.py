@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from baton.common.config import ConfigError
 from baton.common.data import DataConfig
 from baton.train.config import (

@@ -25,14 +25,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
-
-from baton.common.model import MLP, AttentionBackend, CausalLM, Expert, RMSNorm
+from baton.common.model import MLP, AttentionBackend, CausalLM, RMSNorm
+from baton.common.moe import Expert
 from baton.kernels import swiglu
 from baton.train.attention import FUSED, EagerAttention, attention_core  # noqa: F401 (EagerAttention: callers import it here)
 from baton.train.config import RecomputeConfig
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 

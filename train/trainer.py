@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
-
 from baton.common.checkpoint import CheckpointError, verify_hashes
 from baton.common.config import ConfigError
 from baton.common.data import build_datasets, read_texts, torch_loader
@@ -36,6 +34,7 @@ from baton.train.pretrained import PretrainedWeights, pretrained_model
 from baton.train.recompute import apply_recompute
 from baton.train.schedule import lr_at
 from baton.train.validate import validate
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,6 @@ import dataclasses
 from pathlib import Path
 
 import torch
-
 from baton.common.config import PRESETS, ConfigError
 from baton.train.attention import check_attention
 from baton.train.config import (

@@ -28,12 +28,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from baton.common.model import CausalLM, MoE
+from baton.common.model import CausalLM
+from baton.common.moe import MoE
 from baton.serve.parallel.comm import all_gather, all_reduce
 from baton.serve.parallel.config import stage_layers
 from baton.serve.quantization.linear import FORMATS, QuantLinear
+from torch import nn
 
 
 class Slice(NamedTuple):

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from baton.common.config import ConfigError, ModelConfig
-from baton.common.model import MoE, build_model
+from baton.common.model import build_model
+from baton.common.moe import MoE
 from baton.train.moe import attach_router_losses, load_balancing_loss, router_metrics, router_z_loss
 from baton.train.parallel.layout import ParallelConfig, check_layout
 from baton.train.recipe import config_from_dict

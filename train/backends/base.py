@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
 from baton.common.model import CausalLM
 from baton.train.config import TrainConfig
 from baton.train.distributed import Dist

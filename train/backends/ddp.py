@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
-
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends.base import Layout, StepResult, autocast, lm_loss, loss_scaler, param_groups, step_loss
 from baton.train.backends.readers import read_any
@@ -26,6 +24,7 @@ from baton.train.config import TrainConfig
 from baton.train.distributed import Dist
 from baton.train.early_exit import apply_early_exit
 from baton.train.universal import UniversalState, write_universal
+from torch.nn.parallel import DistributedDataParallel
 
 SCALER_FILE = "loss_scaler.json"  # fp16: GradScaler's state, beside the universal state
 

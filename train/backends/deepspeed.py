@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.corpus import cache_root
 from baton.common.model import AttentionBackend, CausalLM

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-from safetensors.torch import save_file
-
 from baton.common.config import ConfigError
 from baton.common.megatron_layout import megatron_to_baton
 from baton.train.backends.base import Layout
 from baton.train.universal import WEIGHTS_FILE
+from safetensors.torch import save_file
 
 MEGATRON_DIR = "megatron"
 LAYOUT_FILE = "parallel_layout.json"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from baton.common.config import ConfigError
 from baton.common.model import AttentionBackend, CausalLM
 from baton.train.backends.base import Layout, StepResult, step_loss

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-
 from baton.train.universal import MOMENTS, UniversalState
+from safetensors import safe_open
 
 TAG = "zero"  # DeepSpeed's checkpoint tag inside a Baton step directory
 GROUPS_FILE = "param_groups.json"  # parameter names per optimizer group (stage 0 needs them)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from baton.train.parallel.parallelize import Parallel3D
+from baton.train.universal import UniversalState
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
@@ -22,9 +24,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-
-from baton.train.parallel.parallelize import Parallel3D
-from baton.train.universal import UniversalState
 
 DCP_DIR = "dcp"  # the shards, inside backend torch3d's step checkpoint directory
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

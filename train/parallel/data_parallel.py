@@ -13,12 +13,11 @@ runs in it, and gradients are reduce-scattered in float32. (DDP runs under autoc
 from __future__ import annotations
 
 import torch
+from baton.train.parallel.pipeline import ModelChunk
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
-
-from baton.train.parallel.pipeline import ModelChunk
 
 
 def apply_fsdp(

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from baton.common.moe import MoE
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-from baton.common.model import MoE
 
 EXPERT_KEY = ".block_sparse_moe.experts."  # in the name of every expert parameter
 

@@ -12,9 +12,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
 from baton.train.parallel.layout import Layout3D
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DIMS = ("pp", "dp", "cp", "tp")
 

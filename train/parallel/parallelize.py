@@ -26,9 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
-
 from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention
 from baton.train.backends.base import COMPUTE_DTYPES, autocast, param_groups
 from baton.train.compile import compile_layers
@@ -42,6 +39,8 @@ from baton.train.parallel.mesh import Mesh3D
 from baton.train.parallel.pipeline import build_chunks, build_schedule
 from baton.train.parallel.tensor_parallel import apply_tp
 from baton.train.recompute import SelectiveRecompute, apply_recompute
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 
 def _with_core(attn: AttentionBackend, core: AttentionBackend | None) -> AttentionBackend:

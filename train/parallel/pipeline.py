@@ -14,12 +14,11 @@ from functools import cache
 
 import torch
 import torch.distributed as dist
+from baton.common.config import ModelConfig
+from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention, run_layers
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-
-from baton.common.config import ModelConfig
-from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention, run_layers
 
 
 class ModelChunk(nn.Module):

@@ -17,6 +17,7 @@ residual stream are 1/tp per rank at the same communication volume.
 
 from __future__ import annotations
 
+from baton.train.parallel.pipeline import ModelChunk
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -27,8 +28,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-
-from baton.train.parallel.pipeline import ModelChunk
 
 
 def apply_tp(chunk: ModelChunk, tp_mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:

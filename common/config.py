@@ -16,7 +16,19 @@ from typing import Any
 import torch
 from baton.common.errors import UserError
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "mixtral", "bamba", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss", "olmo2")
+MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "mixtral",
+    "bamba",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+)
+MODEL_TYPES += ("olmo2",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 QK_NORMS = ("head", "full")  # RMSNorm of each head's q/k (Qwen3, Gemma 3) or of the whole q/k projection (OLMo 2)
 NORM_LAYOUTS = ("pre", "sandwich", "post")  # Llama; Gemma 3 (norms before and after each block); OLMo 2 (after)
@@ -41,6 +53,12 @@ BAMBA_FIELDS = (
 FAMILY_FEATURES: dict[str, dict[str, Any]] = {
     "qwen3": {"qk_norm": "head"},
     "qwen3_moe": {"qk_norm": "head"},
+    "gemma2": {
+        "norm_layout": "sandwich",
+        "norm_weight_offset": 1.0,
+        "scale_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
     "gemma3_text": {
         "qk_norm": "head",
         "norm_layout": "sandwich",
@@ -267,7 +285,7 @@ class ModelConfig:
         if rope_type == "yarn":
             need(float(rs.get("factor", 0)) > 0, "yarn rope_scaling.factor must be positive")
             known = {"rope_type", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow"}
-            known |= {"attention_factor", "truncate"}
+            known |= {"attention_factor", "truncate", "mscale", "mscale_all_dim"}
             unknown = sorted(set(rs) - known)
             need(not unknown, f"yarn rope_scaling key(s) {unknown} are not implemented")
         if rope_type == "llama3":
@@ -322,14 +340,14 @@ class ModelConfig:
         for name in STRUCTURAL:
             want = fixed.get(name, defaults[name])
             need(getattr(self, name) == want, f"model_type {t!r} has {name}={want!r}, got {getattr(self, name)!r}")
-        gemma_only = (
-            "query_pre_attn_scalar",
-            "attn_logit_softcapping",
-            "final_logit_softcapping",
-            "sliding_rope_theta",
-        )
-        for name in gemma_only:
-            need(t == "gemma3_text" or getattr(self, name) is None, f"{name} is Gemma 3's; model_type {t!r} has none")
+        gemma = {
+            "query_pre_attn_scalar": ("gemma2", "gemma3_text"),
+            "final_logit_softcapping": ("gemma2", "gemma3_text"),
+        }
+        # (transformers' Gemma 3 reads attn_logit_softcapping but never applies it: only Gemma 2 has it)
+        gemma.update(attn_logit_softcapping=("gemma2",), sliding_rope_theta=("gemma3_text",))
+        for name, families in gemma.items():
+            need(t in families or getattr(self, name) is None, f"{name} is {families}'s; model_type {t!r} has none")
         need(
             (t == "gpt_oss") == (self.swiglu_alpha is not None),
             f"the clamped SwiGLU (swiglu_alpha/limit) is gpt-oss's and only gpt-oss's, model_type {t!r}",
@@ -359,7 +377,7 @@ class ModelConfig:
             f"model_type {t!r} has no sliding-window attention",
         )
         need(
-            t in ("qwen2", "qwen3", "qwen3_moe", "gemma3_text", "gpt_oss")
+            t in ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
             or self.layer_types is None
             or set(self.layer_types) == {"sliding_attention"}
             or set(self.layer_types) == {"full_attention"},

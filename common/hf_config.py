@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.common.config import BAMBA_FIELDS, DTYPES, ConfigError, ModelConfig
+from baton.common.config import BAMBA_FIELDS, DTYPES, HIDDEN_ACTS, ConfigError, ModelConfig
+
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -18,11 +20,23 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "bamba": "BambaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
 }
+# Families whose config.json spells layer_types / sliding_window the way transformers 5 does.
+LAYER_TYPED = ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+# Multimodal wrappers whose text model Baton reads under its own model_type.
+TEXT_ONLY = {"gemma3": "gemma3_text"}
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per layer type (Gemma 3): the full layers'
+        params = params["full_attention"]
     if isinstance(params, dict):  # transformers >= 5
         theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -39,12 +53,18 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     """A Baton config from an HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Bamba)."""
     model_type = d.get("model_type")
+    if model_type in TEXT_ONLY:
+        raise ConfigError(
+            f"model_type {model_type!r} is a multimodal checkpoint; Baton reads its text model "
+            f"(model_type {TEXT_ONLY[model_type]!r}, {ARCHITECTURES[TEXT_ONLY[model_type]]})"
+        )
     if model_type not in ARCHITECTURES:
         raise ConfigError(f"unsupported model_type {model_type!r}: Baton reads {', '.join(ARCHITECTURES)}")
     if d.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported (Baton's SwiGLU MLP has no biases)")
-    if d.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"hidden_act {d['hidden_act']!r} is not supported (Baton uses SwiGLU with silu)")
+    act = d.get("hidden_activation") or d.get("hidden_act", "silu")  # (Gemma spells it hidden_activation)
+    if act not in HIDDEN_ACTS:
+        raise ConfigError(f"hidden_act {act!r} is not supported (Baton's gated MLPs use one of {HIDDEN_ACTS})")
     theta, scaling = _rope_from_hf(d)
     dtype = d.get("dtype") or d.get("torch_dtype") or "float32"
     if dtype not in DTYPES:
@@ -52,6 +72,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     sliding, layer_types = None, None
     if model_type in ("mistral", "mixtral"):
         sliding = d.get("sliding_window")
+    elif model_type in LAYER_TYPED:
+        sliding, layer_types = _layer_types_from_hf(d, model_type)
     elif model_type == "qwen2" and d.get("use_sliding_window"):
         sliding = d.get("sliding_window")
         layer_types = d.get("layer_types") or [
@@ -72,10 +94,12 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         sliding_window=sliding,
         layer_types=layer_types,
-        attention_bias=bool(d.get("attention_bias", False)) if model_type in ("llama", "bamba") else False,
+        attention_bias=bool(d.get("attention_bias", False))
+        if model_type not in ("mistral", "qwen2", "mixtral")
+        else False,
         qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        num_local_experts=d.get("num_local_experts", 0) if model_type == "mixtral" else 0,
+        num_local_experts=d.get("num_local_experts", d.get("num_experts", 0)) if model_type in MOE_TYPES else 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         initializer_range=d.get("initializer_range", 0.02),
         bos_token_id=d.get("bos_token_id"),
@@ -84,10 +108,68 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         torch_dtype=dtype,
         model_type=model_type,
         early_exit_layers=d.get("early_exit_layers"),
+        hidden_act=act,
     )
     if model_type == "bamba":
         kwargs.update(_bamba_from_hf(d))
+    kwargs.update(_family_from_hf(d, model_type))
     return ModelConfig(**kwargs)
+
+
+def _layer_types_from_hf(d: dict[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) of a transformers-5 family: layer_types when written, else
+    the family's rule (Qwen3: max_window_layers; Gemma 3: every 6th layer full; gpt-oss: alternating)."""
+    n, window, types = d["num_hidden_layers"], d.get("sliding_window"), d.get("layer_types")
+    if model_type in ("qwen3", "qwen3_moe") and not d.get("use_sliding_window"):
+        return None, None  # (layer_types says "sliding" only where use_sliding_window turns it on)
+    if types is None and model_type == "gemma3_text":
+        step = d.get("sliding_window_pattern") or d.get("_sliding_window_pattern") or 6
+        types = ["full_attention" if (i + 1) % step == 0 else "sliding_attention" for i in range(n)]
+    elif types is None and model_type in ("gpt_oss", "gemma2"):
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    elif types is None:
+        types = ["sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(n)]
+    if window is None or "sliding_attention" not in types:
+        return None, None
+    return window, types
+
+
+def _family_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The newer families' own fields (ModelConfig fills and checks the features each one fixes)."""
+    out: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        out.update(
+            moe_intermediate_size=d.get("moe_intermediate_size"),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            mlp_only_layers=list(d.get("mlp_only_layers") or []) or None,
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        )
+    if model_type == "gpt_oss":
+        out.update(swiglu_alpha=d.get("swiglu_alpha", 1.702), swiglu_limit=d.get("swiglu_limit", 7.0))
+    if model_type == "gemma2":
+        out.update(
+            {k: d.get(k) for k in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")}
+        )
+    if model_type == "gemma3_text":
+        if d.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention=true (Gemma 3 as an encoder) is not supported")
+        if d.get("attn_logit_softcapping") is not None:
+            raise ConfigError(
+                "attn_logit_softcapping is set, but transformers' Gemma 3 never applies it: Baton refuses rather "
+                "than serve other numbers than transformers (set it to null; Gemma 2 is the family that caps)"
+            )
+        local = (d.get("rope_parameters") or {}).get("sliding_attention") or {
+            "rope_theta": d.get("rope_local_base_freq", 10000.0)
+        }
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_parameters.sliding_attention: rope_type {local['rope_type']!r} is not supported")
+        out.update(
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            sliding_rope_theta=float(local["rope_theta"]),
+        )
+    return out
 
 
 def _bamba_from_hf(d: dict[str, Any]) -> dict[str, Any]:
@@ -139,6 +221,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         d["rope_parameters"] = {**rope_parameters, "partial_rotary_factor": 0.5}
     if cfg.model_type == "mixtral":
         d.update(num_local_experts=cfg.num_local_experts, num_experts_per_tok=cfg.num_experts_per_tok)
+    _family_to_hf(cfg, d)
     if cfg.model_type == "qwen2":
         layer_types = (
             cfg.layer_types or ["sliding_attention" if cfg.sliding_window else "full_attention"] * cfg.num_hidden_layers
@@ -151,3 +234,51 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
             layer_types=layer_types,
         )
     return d
+
+
+def _family_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
+    """The newer families' keys, spelled as transformers 5.25 writes them."""
+    t = cfg.model_type
+    if t not in LAYER_TYPED and t != "olmo2":
+        return
+    d["attention_bias"] = cfg.attention_bias
+    if t in LAYER_TYPED:
+        d["sliding_window"] = cfg.sliding_window
+        d["layer_types"] = [
+            "sliding_attention" if cfg.is_sliding(i) else "full_attention" for i in range(cfg.num_hidden_layers)
+        ]
+    if t in ("qwen3", "qwen3_moe"):
+        d["use_sliding_window"] = cfg.sliding_window is not None
+        d["max_window_layers"] = cfg.num_hidden_layers
+    if t == "qwen3_moe":
+        d.update(
+            num_experts=cfg.num_local_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            moe_intermediate_size=cfg.expert_intermediate_size,
+            norm_topk_prob=cfg.norm_topk_prob,
+            mlp_only_layers=list(cfg.mlp_only_layers or []),
+            decoder_sparse_step=cfg.decoder_sparse_step,
+        )
+    if t == "gpt_oss":
+        d.update(
+            num_local_experts=cfg.num_local_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            swiglu_alpha=cfg.swiglu_alpha,
+            swiglu_limit=cfg.swiglu_limit,
+        )
+    if t in ("gemma2", "gemma3_text"):
+        d.pop("hidden_act")
+        d.update(
+            hidden_activation=cfg.hidden_act,
+            query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.head_dim,
+            attn_logit_softcapping=cfg.attn_logit_softcapping,
+            final_logit_softcapping=cfg.final_logit_softcapping,
+        )
+    if t == "gemma3_text":
+        d.update(
+            use_bidirectional_attention=False,
+            rope_parameters={
+                "full_attention": d["rope_parameters"],
+                "sliding_attention": {"rope_theta": cfg.sliding_rope_theta or cfg.rope_theta, "rope_type": "default"},
+            },
+        )

@@ -19,8 +19,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
-from baton.common.moe import MoE
-from baton.common.rope import inv_frequencies, rotary_cos_sin
+from baton.common.moe import build_moe
+from baton.common.rope import attention_factor, inv_frequencies, rotary_cos_sin
 from baton.common.ssm import Mamba2Mixer
 from baton.kernels import apply_rotary, rms_norm, swiglu
 from torch import nn
@@ -45,28 +45,74 @@ class DenseCausalAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention") -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA layout [B, H, S, D]
         window, s = layer.sliding_window, q.shape[2]
-        if window is None or window >= s:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
-        else:
+        mask = None
+        if window is not None and window < s:
             i = torch.arange(s, device=q.device)
             dist = i[:, None] - i[None, :]
             mask = (dist >= 0) & (dist < window)
+        sinks, cap = getattr(layer, "sinks", None), getattr(layer, "logit_softcap", None)
+        if sinks is not None or cap:
+            if mask is None:
+                mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+            out = capped_attention_with_sinks(q, k, v, mask, layer.scaling, cap, sinks)
+        elif mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
+        else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
         return out.transpose(1, 2)
 
 
+def capped_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + mask, with each head's sink logit in the denominator) v, in the
+    [B, H, S, D] layout: what SDPA cannot express (Gemma's soft-capping, gpt-oss's sinks)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """x / rms(x) * (offset + w). Gemma keeps w around 0 with offset 1 (its checkpoints' weights)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, (norm(x + residual), x + residual) in one fused pass."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        if not self.offset:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (self.offset + self.weight.float())
+        return out.to(x.dtype) if residual is None else (out.to(x.dtype), x)
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with the options of every family Baton reads: q/k RMSNorm per head or
+    over the whole projection, a softmax scale of its own, soft-capped scores, learned sinks, a
+    sliding window and a rope of its own per layer type. The attention core is the backend's."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -75,21 +121,42 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.scaling = self.head_dim**-0.5
+        self.scaling = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5 * attention_factor(cfg.rope_scaling) ** 2
         self.rotary_dim = cfg.rotary_dim
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
+        # Row of the model's inv_freq this layer rotates with, where sliding layers have a rope of their own.
+        self.rope_index = int(cfg.is_sliding(layer_idx)) if cfg.sliding_rope_theta is not None else None
+        self.logit_softcap = cfg.attn_logit_softcapping
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        h = cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=cfg.attention_bias)
+        h, d = cfg.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:  # "head": one norm of head_dim shared by the heads; "full": the whole width
+            full = cfg.qk_norm == "full"
+            eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+            self.q_norm = RMSNorm(self.num_heads * d if full else d, eps, offset)
+            self.k_norm = RMSNorm(self.num_kv_heads * d if full else d, eps, offset)
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as [B, S, width] (serve/runner/fusion.py does it in one GEMM)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_index is not None:
+            cos, sin = cos[..., self.rope_index, :], sin[..., self.rope_index, :]
         t = b * s
         if self.rotary_dim == self.head_dim:
             q, k = apply_rotary(
@@ -113,19 +180,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """A gated MLP: down(act(gate(x)) * up(x)), SwiGLU (silu) or GeGLU (Gemma's tanh gelu)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act = act
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.act == "silu":
+            return swiglu(gate, up)
+        return F.gelu(gate, approximate="tanh") * up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.gated(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
+    """Attention then a feed-forward block (a gated MLP or routed experts), each with a residual, and
+    RMSNorms where the family puts them (cfg.norm_layout): "pre" (Llama: before each block, the
+    post_attention_layernorm being the one before the MLP), "sandwich" (Gemma 3: before and after
+    each) or "post" (OLMo 2: after each, on the block's output)."""
+
     # Set by fuse_residual_norms(): the residual add runs inside the post-attention norm's kernel.
     # Off by default because tensor parallelism's sequence-parallel plan treats a norm as a
     # one-tensor module; the server, which runs no such plan, turns it on.
@@ -134,23 +212,39 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        if cfg.num_local_experts > 0:
-            self.block_sparse_moe = MoE(cfg)
+        self.ffn_name = cfg.moe_attribute if cfg.is_moe_layer(layer_idx) else "mlp"
+        if cfg.is_moe_layer(layer_idx):
+            setattr(self, self.ffn_name, build_moe(cfg))
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.norm_layout = cfg.norm_layout
+        h, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset
+        if cfg.norm_layout != "post":
+            self.input_layernorm = RMSNorm(h, eps, offset)
+        self.post_attention_layernorm = RMSNorm(h, eps, offset)
+        if cfg.norm_layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
+        if cfg.norm_layout != "pre":
+            self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        a = self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        post = self.norm_layout == "post"
+        a = self.self_attn(x if post else self.input_layernorm(x), cos, sin, attn)
         if a.shape[1] != x.shape[1]:  # the backend answered only its query_rows (a server's last layer)
             x = x[:, attn.query_rows]
-        ffn = self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+        if self.norm_layout != "pre":
+            x = x + self.post_attention_layernorm(a)
+            h = x if post else self.pre_feedforward_layernorm(x)
+            return x + self.post_feedforward_layernorm(self.ffn(h))
         if self.fuse_residual_norm:  # the same sums, one read and write of the hidden states fewer
             h, x = self.post_attention_layernorm(a, residual=x)
-            return x + ffn(h)
+            return x + self.ffn(h)
         x = x + a
-        return x + ffn(self.post_attention_layernorm(x))
+        return x + self.ffn(self.post_attention_layernorm(x))
 
 
 class HybridDecoderLayer(nn.Module):
@@ -181,31 +275,40 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None
         layer = HybridDecoderLayer if cfg.is_hybrid else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
         if cfg.is_hybrid:  # Bamba's checkpoint name for the final norm
             self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         else:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
         # A plain float32 attribute, not a buffer: model.to(bfloat16) must not round frequencies.
         self.inv_freq = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+        if cfg.sliding_rope_theta is not None:  # Gemma 3: row 1 for the sliding layers (Attention.rope_index)
+            self.inv_freq = torch.stack([self.inv_freq, inv_frequencies(cfg.rotary_dim, cfg.sliding_rope_theta)])
 
     @property
     def final_norm(self) -> RMSNorm:
         return self.final_layernorm if hasattr(self, "final_layernorm") else self.norm
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # Gemma: the factor rounded to the activations' dtype, as HF does
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         return self.final_norm(run_layers(self.layers, x, positions, self.inv_freq, attn))
 
 
 def fuse_residual_norms(model: nn.Module) -> nn.Module:
-    """Every decoder layer adds its attention residual inside the post-attention RMSNorm kernel
-    (kernels/rmsnorm.py). Outputs are unchanged: x + a is the same sum either way."""
+    """Every pre-norm decoder layer adds its attention residual inside the post-attention RMSNorm
+    kernel (kernels/rmsnorm.py). Outputs are unchanged: x + a is the same sum either way."""
     for layer in model.modules():
-        if isinstance(layer, DecoderLayer):
+        if isinstance(layer, DecoderLayer) and layer.norm_layout == "pre":
             layer.fuse_residual_norm = True
     return model
 
@@ -245,7 +348,7 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, attn or DenseCausalAttention())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return soft_cap(self.lm_head(hidden), self.config.final_logit_softcapping)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionBackend | None = None
@@ -261,6 +364,11 @@ class CausalLM(nn.Module):
         return sd
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma's final-logit soft-capping); logits unchanged without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
     """Llama-style init: normal(0, initializer_range) for matrices (and convolutions), ones for
     norms, zero biases; Mamba2's own init for the SSM parameters."""
@@ -274,7 +382,7 @@ def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                module.weight.fill_(1.0 - module.offset)
             elif isinstance(module, Mamba2Mixer):
                 module.reset_ssm_parameters()
     return model

@@ -101,3 +101,13 @@ class MoE(nn.Module):
             self.experts[e](part) if part.shape[0] or run_empty else part for e, part in zip(experts, xs.split(counts))
         ]
         return torch.cat(ys) if ys else xs
+
+
+def build_moe(cfg: ModelConfig) -> nn.Module:
+    """The family's MoE block for one layer (the decoder layer names it cfg.moe_attribute)."""
+    return MoE(cfg)
+
+
+def build_moe(cfg: ModelConfig) -> nn.Module:
+    """The routed-experts block of cfg's family (forward: [..., H] -> [..., H])."""
+    return MoE(cfg)

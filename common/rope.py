@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE), with linear and Llama-3 frequency scaling.
+"""Rotary position embeddings (RoPE), with linear, Llama-3 and YaRN frequency scaling.
 
 cos/sin are computed from absolute positions on every forward rather than from a cached table,
 so any position works (StreamingLLM and long-context serving run past max_position_embeddings).
@@ -24,7 +24,48 @@ def inv_frequencies(head_dim: int, rope_theta: float = 10000.0, rope_scaling: di
         inv_freq = inv_freq / rs["factor"]
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rs)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_scale(head_dim, rope_theta, rs)
     return inv_freq
+
+
+def _yarn_scale(dim: int, base: float, rs: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): interpolate the low frequencies by `factor`, extrapolate the high
+    ones, with a linear ramp between the beta_fast and beta_slow rotation counts (HF's formula)."""
+    factor, old_ctx = rs["factor"], rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (no singular ramp)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+
+
+def attention_factor(rope_scaling: dict | None) -> float:
+    """YaRN's scale on cos and sin (1 for every other rope). Both q and k are rotated, so the model
+    folds its square into the softmax scale instead: the same scores, and the cache keeps plain keys."""
+    rs = rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = rs["factor"]
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
+    return mscale(factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
@@ -43,7 +84,10 @@ def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
 def rotary_cos_sin(
     inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape positions.shape + [head_dim], computed in float32 then cast."""
-    freqs = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
+    """cos, sin of shape positions.shape + [head_dim], computed in float32 then cast. A model with a
+    second rope for its sliding layers (Gemma 3) passes inv_freq [2, head_dim // 2]: then
+    positions.shape + [2, head_dim], and each attention layer takes its row (Attention.rope_index)."""
+    lead = positions.float().reshape(*positions.shape, *([1] * inv_freq.dim()))
+    freqs = lead * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -68,10 +68,12 @@ def _bind_layer(layer: nn.Module, kv_caches, stack, ck) -> BoundLayer | None:
     if type(layer) is not DecoderLayer or not layer.fuse_residual_norm:
         return None
     a, m = layer.self_attn, getattr(layer, "mlp", None)
-    if type(a) is not FusedQKVAttention or type(m) is not FusedMLP:
+    if type(a) is not FusedQKVAttention or type(m) is not FusedMLP or m.act != "silu":
         return None
+    if a.qk_norm or a.sinks is not None or a.logit_softcap or a.rope_index is not None:
+        return None  # the C++ layer is Llama's dataflow; the newer families' options run through the modules
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm for n in norms):
+    if any(type(n) is not RMSNorm or n.offset for n in norms):
         return None
     lins = [_linear(x, ck) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
     pools = kv_caches[a.layer_idx]
@@ -162,7 +164,7 @@ def bind_head(norm: nn.Module, lm_head: nn.Module, device: torch.device, dtype: 
     if os.environ.get(ENV, "1") == "0" or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     ck = cpu_kernels()
-    if ck is None or type(norm) is not RMSNorm or norm.weight.dtype != dtype:
+    if ck is None or type(norm) is not RMSNorm or norm.offset or norm.weight.dtype != dtype:
         return None
     linear = _linear(lm_head, ck)
     return None if linear is None else CpuHead(norm, lm_head, linear, ck)

@@ -77,7 +77,7 @@ class ConfidenceExit:
         inner = r.model.model
         if inner.inv_freq.device != r.device:
             inner.inv_freq = inner.inv_freq.to(r.device)
-        x = inner.embed_tokens(input_ids)
+        x = inner.embed(input_ids)
         cos, sin = rotary_cos_sin(inner.inv_freq, positions, x.dtype)
         rows = torch.arange(x.shape[1], device=r.device)
         live = torch.ones(x.shape[1], dtype=torch.bool, device=r.device)  # rows still in the network

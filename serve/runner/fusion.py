@@ -12,8 +12,7 @@ experts are left as they are; a tensor-parallel rank's column shards are plain l
 from __future__ import annotations
 
 import torch
-from baton.common.model import MLP, Attention, AttentionBackend, DecoderLayer
-from baton.kernels import apply_rotary, swiglu
+from baton.common.model import MLP, Attention, DecoderLayer
 from torch import nn
 
 
@@ -22,25 +21,19 @@ class FusedQKVAttention(Attention):
 
     qkv_proj: nn.Linear
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        b, s, _ = x.shape
-        t, d = b * s, self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
-        q, k = apply_rotary(
-            q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), cos.reshape(t, -1), sin.reshape(t, -1)
-        )
-        out = attn(q.view(b, s, self.num_heads, d), k.view(b, s, self.num_kv_heads, d), v.view(b, s, -1, d), self)
-        return self.o_proj(out.reshape(b, -1, self.num_heads * d))  # -1: the rows answered
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        d = self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
 
 
 class FusedMLP(MLP):
-    """SwiGLU whose gate and up projections are one `gate_up_proj` (rows: gate, then up)."""
+    """A gated MLP whose gate and up projections are one `gate_up_proj` (rows: gate, then up)."""
 
     gate_up_proj: nn.Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, -1)
-        return self.down_proj(swiglu(gate, up))
+        return self.down_proj(self.gated(gate, up))
 
 
 def _plain(*mods: nn.Module) -> bool:

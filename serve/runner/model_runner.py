@@ -172,6 +172,7 @@ class ModelRunner:
         self.cpu_layers = bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
         # (only where the logits are lm_head(hidden): a compute_logits of its own would be bypassed)
         plain_logits = getattr(type(self.model), "compute_logits", None) is CausalLM.compute_logits
+        plain_logits = plain_logits and cfg.final_logit_softcapping is None
         head = getattr(self.model, "lm_head", None) if plain_logits else None
         self.cpu_head = (
             None if head is None else bind_cpu_head(self.model.model.final_norm, head, self.device, self.dtype)
@@ -253,7 +254,7 @@ class ModelRunner:
         inner = self.model.model
         if inner.inv_freq.device != self.device:
             inner.inv_freq = inner.inv_freq.to(self.device)
-        x = inner.embed_tokens(input_ids) if hidden is None else hidden
+        x = inner.embed(input_ids) if hidden is None else hidden
         mods = self.layers
         if layers is not None:
             first = self.layer_ids.start

@@ -15,7 +15,7 @@ from functools import cache
 import torch
 import torch.distributed as dist
 from baton.common.config import ModelConfig
-from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention, run_layers
+from baton.common.model import AttentionBackend, CausalLM, DenseCausalAttention, run_layers, soft_cap
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
@@ -34,6 +34,8 @@ class ModelChunk(nn.Module):
         self.model = nn.Module()
         if first:
             self.model.embed_tokens = model.model.embed_tokens
+        self.embed_scale = model.model.embed_scale
+        self.logit_cap = model.config.final_logit_softcapping
         self.model.layers = nn.ModuleDict({str(i): model.model.layers[i] for i in layers})
         # The final norm under the model's own name (Bamba's is final_layernorm), so names match.
         self.norm_name = "final_layernorm" if hasattr(model.model, "final_layernorm") else "norm"
@@ -50,10 +52,12 @@ class ModelChunk(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_embedding:
             x = self.model.embed_tokens(x)
+            if self.embed_scale is not None:  # as DecoderModel.embed
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         positions = self.positions.to(x.device).expand(x.shape[0], -1)
         x = run_layers(self.model.layers.values(), x, positions, self.inv_freq, self.attn)
         if self.has_head:
-            x = self.lm_head(getattr(self.model, self.norm_name)(x))
+            x = soft_cap(self.lm_head(getattr(self.model, self.norm_name)(x)), self.logit_cap)
         return x
 
 

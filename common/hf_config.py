@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baton.common.config import BAMBA_FIELDS, DTYPES, HIDDEN_ACTS, ConfigError, ModelConfig
+from baton.common.config import BAMBA_FIELDS, DTYPES, HIDDEN_ACTS, LAYER_TYPES, ConfigError, ModelConfig
 
 MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
 
@@ -129,6 +129,9 @@ def _layer_types_from_hf(d: dict[str, Any], model_type: str) -> tuple[int | None
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     elif types is None:
         types = ["sliding_attention" if i >= d.get("max_window_layers", 0) else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types {unknown} are not supported (Baton's attention layers are {LAYER_TYPES})")
     if window is None or "sliding_attention" not in types:
         return None, None
     return window, types

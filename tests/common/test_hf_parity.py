@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from safetensors import safe_open
-
 from baton.common.checkpoint import load_checkpoint, load_state_dict, read_metadata
 from baton.common.hf import export_hf, import_hf
 from baton.common.model import greedy_generate
+from safetensors import safe_open
 
 BASE = dict(
     vocab_size=256,
@@ -52,7 +51,75 @@ FAMILIES = {
         transformers.MixtralConfig,
         dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
     ),
+    # The 2025-26 families: norms, biases and sinks are moved off their initial values (NEWER below).
+    "qwen3-gqa": (transformers.Qwen3Config, dict(num_key_value_heads=2, head_dim=24)),
+    "qwen3-mqa-tied-sliding": (
+        transformers.Qwen3Config,
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        ),
+    ),
+    "qwen3-moe-dense-layer": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            num_key_value_heads=2,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=40,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        ),
+    ),
+    "qwen3-moe-step2-unnormed": (
+        transformers.Qwen3MoeConfig,
+        dict(num_key_value_heads=4, num_experts=4, num_experts_per_tok=1, decoder_sparse_step=2),
+    ),
+    "gemma3-mixed-layers": (
+        transformers.Gemma3TextConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=4.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            },
+        ),
+    ),
+    "gemma2-softcaps": (
+        transformers.Gemma2Config,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=5,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=3.0,
+            final_logit_softcapping=4.0,
+            attn_implementation="eager",
+        ),
+    ),
+    "gpt-oss-yarn-sinks": (
+        transformers.GptOssConfig,
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            attn_implementation="eager",
+        ),
+    ),
+    "olmo2-full-qk-norm": (transformers.Olmo2Config, dict(num_key_value_heads=2)),
 }
+NEWER = ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "olmo2")
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -66,6 +133,11 @@ def family(request, tmp_path):
             for name, p in hf_model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.1)
+    if hf_cfg.model_type in NEWER:  # norms (Gemma's are zeros), biases and sinks each change the logits
+        with torch.no_grad():
+            for p in hf_model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.2)
     hf_dir = tmp_path / "hf"
     hf_model.save_pretrained(hf_dir)
     baton_dir = import_hf(hf_dir, tmp_path / "baton")

@@ -13,6 +13,8 @@ Timings are medians of CUDA-event-timed runs after warm-up. Each row reports ach
 start-up: a large bf16 cuBLAS matmul and a large device-to-device copy. Baselines: torch SDPA for
 attention, cuBLAS (F.linear on the dequantised weight) / torch._int_mm for the quantised matmuls.
 The decode section compares FlashDecoding split-K with and without FlashDecoding++'s unified max.
+Attention sinks (gpt-oss) and logit soft-capping (Gemma 2/3) are checked on every attention kernel
+(forward, backward with the sinks' gradient, paged prefix, decode) and timed against the plain kernel.
 Writes OUT/kernels_gpu.{json,png} (OUT: --out, by default benchmarks/results; a temporary folder in
 smoke mode, whose timings mean nothing). Exit status 1 if any check fails.
 """
@@ -151,6 +153,20 @@ def bench_attention(ceil: Ceilings, dtype, check_dtypes):
             got = torch.autograd.grad(fa.flash_attn_varlen_triton(qr, kr, vr, cu, cu, mx, mx, **kw), (qr, kr, vr), dout)
             want = torch.autograd.grad(ref.flash_attn_varlen_ref(qr, kr, vr, cu, cu, mx, mx, **kw), (qr, kr, vr), dout)
             check(f"flash bwd {dt} window={window}", got, want)
+            for tag, extra in extras(hq):  # attention sinks, soft-capping: forward, then dq/dk/dv/dsinks
+                kw = dict(causal=True, sliding_window=window, **extra)
+                got = fa.flash_attn_fwd_triton(q, k, v, cu, cu, mx, **kw)[0]
+                check(
+                    f"flash fwd {dt} window={window} {tag}",
+                    got,
+                    ref.flash_attn_varlen_ref(q, k, v, cu, cu, mx, mx, **kw),
+                )
+                sr = extra["sinks"].clone().requires_grad_() if extra.get("sinks") is not None else None
+                leaves = (qr, kr, vr) + ((sr,) if sr is not None else ())
+                kw["sinks"] = sr
+                got = torch.autograd.grad(fa.flash_attn_varlen_triton(qr, kr, vr, cu, cu, mx, mx, **kw), leaves, dout)
+                want = torch.autograd.grad(ref.flash_attn_varlen_ref(qr, kr, vr, cu, cu, mx, mx, **kw), leaves, dout)
+                check(f"flash bwd {dt} window={window} {tag}", got, want, tol=TOL[dt])
 
     seqs, seq_len = size(8, 2), size(2048, 64)
     for window in (None, size(1024, 16)):
@@ -172,6 +188,9 @@ def bench_attention(ceil: Ceilings, dtype, check_dtypes):
             base_name="SDPA",
             ceil=ceil,
         )
+        both = extras(hq)[-1][1]
+        ms_x = timeit(lambda: fa.flash_attn_fwd_triton(q, k, v, cu, cu, mx, sliding_window=window, **both))
+        report(f"fwd win={window} sinks+softcap", ms_x, flops=flops, base_ms=ms, base_name="vs plain", ceil=ceil)
 
         qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
         out = fa.flash_attn_varlen_triton(qr, kr, vr, cu, cu, mx, mx, sliding_window=window)
@@ -182,6 +201,16 @@ def bench_attention(ceil: Ceilings, dtype, check_dtypes):
         dout_s = torch.randn_like(out_s)
         base = timeit(lambda: torch.autograd.grad(out_s, (qs, ks, vs), dout_s, retain_graph=True))
         report(f"bwd {seqs}x{seq_len} win={window}", ms, flops=2.5 * flops, base_ms=base, base_name="SDPA", ceil=ceil)
+
+
+def extras(hq: int) -> list[tuple[str, dict]]:
+    """Attention sinks ([Hq] float32, some dominant) and a soft-cap low enough to bind (scores ~N(0, 1))."""
+    sinks = torch.randn(hq, device=DEV) * 3
+    return [
+        ("sinks", dict(sinks=sinks)),
+        ("softcap", dict(softcap=2.0)),
+        ("sinks+softcap", dict(sinks=sinks, softcap=2.0)),
+    ]
 
 
 def _paged(lens, hkv, d, dtype, block_size=16):
@@ -210,6 +239,9 @@ def bench_paged(ceil: Ceilings, dtype, check_dtypes):
             fa.flash_attn_with_paged_prefix_triton(*args),
             ref.flash_attn_with_paged_prefix_ref(*args),
         )
+        for tag, extra in extras(hq):
+            got = fa.flash_attn_with_paged_prefix_triton(*args, **extra)
+            check(f"paged prefix {dt} {tag}", got, ref.flash_attn_with_paged_prefix_ref(*args, **extra))
         lens = size([1, 17, 1000, 5000], [1, 17, 70])
         k_cache, v_cache, tables, ctx = _paged(lens, hkv, d, dt)
         qd = torch.randn(len(lens), hq, d, device=DEV, dtype=dt)
@@ -220,6 +252,13 @@ def bench_paged(ceil: Ceilings, dtype, check_dtypes):
                 pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx, max_score_estimate=est),
                 want,
             )
+        for tag, extra in extras(hq):
+            want = ref.paged_attention_decode_ref(qd, k_cache, v_cache, tables, ctx, **extra)
+            for est, splits in ((None, None), (None, 1), (1.5, None)):
+                got = pa.paged_attention_decode_triton(
+                    qd, k_cache, v_cache, tables, ctx, max_score_estimate=est, num_splits=splits, **extra
+                )
+                check(f"decode {dt} {tag} estimate={est} splits={splits}", got, want)
         kn, vn = torch.randn(2, 64, hkv, d, device=DEV, dtype=dt)
         slots = torch.randperm(k_cache.shape[0] * 16, device=DEV)[:64]
         slots[::7] = -1
@@ -271,6 +310,11 @@ def bench_paged(ceil: Ceilings, dtype, check_dtypes):
         report(f"{tag} split-K", ms_std, nbytes=nbytes, base_ms=base, base_name="SDPA contiguous", ceil=ceil)
         report(f"{tag} one split", ms_one, nbytes=nbytes, ceil=ceil)
         report(f"{tag} unified max", ms_uni, nbytes=nbytes, base_ms=ms_std, base_name="vs split-K", ceil=ceil)
+        both = extras(hq)[-1][1]
+        ms_x = timeit(
+            lambda: pa.paged_attention_decode_triton(qd, k_cache, v_cache, tables, ctx, max_context_len=max_len, **both)
+        )
+        report(f"{tag} sinks+softcap", ms_x, nbytes=nbytes, base_ms=ms_std, base_name="vs split-K", ceil=ceil)
 
 
 def bench_elementwise(ceil: Ceilings, dtype, check_dtypes):

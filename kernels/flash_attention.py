@@ -7,20 +7,34 @@ S x S score matrix never exists. Only the key tiles a query block can see are vi
 bound, sliding-window lower bound). With a paged prefix the loop first walks the cached tokens
 through the block table, then the new tokens in k/v. Queries are bottom-right aligned: query i of
 a sequence with q_len queries and k_len keys (prefix included) sits at position k_len - q_len + i.
+Soft-capping (SOFTCAP) caps each tile's scores before the mask (online_softmax); attention sinks
+(SINKS) join each row's denominator once, in the epilogue: out * sigmoid(lse - sink), and the lse
+saved for the backward pass includes the sink.
 
 The backward pass (training) is in flash_attention_bwd.py; FlashAttnVarlen wires both into autograd.
+The torch paths (CPU) are in attention_torch.py; their public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._utils import LOG2E, alloc, dot_precision, next_pow2, use_triton
-from .online_softmax import attend_tile
-from .reference import attention_mask, gather_paged
+from .attention_torch import check_window, flash_attn_varlen_torch, flash_attn_with_paged_prefix_torch
+from .online_softmax import attend_tile, score_scales
+
+__all__ = [
+    "FlashAttnVarlen",
+    "flash_attn_fwd_triton",
+    "flash_attn_varlen",
+    "flash_attn_varlen_torch",
+    "flash_attn_varlen_triton",
+    "flash_attn_with_paged_prefix",
+    "flash_attn_with_paged_prefix_torch",
+    "flash_attn_with_paged_prefix_triton",
+]
 
 
 @triton.jit
@@ -36,6 +50,7 @@ def _flash_fwd_kernel(
     VCache,
     BlockTables,
     PrefixLens,
+    Sinks,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -50,6 +65,7 @@ def _flash_fwd_kernel(
     stride_bt,
     stride_lh,
     qk_scale,
+    cap,
     window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -62,6 +78,8 @@ def _flash_fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     STORE_LSE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -114,7 +132,7 @@ def _flash_fwd_kernel(
             k = tl.load(KCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(VCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
             acc, m_i, l_i = attend_tile(
-                acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION
+                acc, m_i, l_i, q, k, v, q_pos, k_pos, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION, cap, SOFTCAP
             )
 
     new_lo = 0
@@ -128,19 +146,24 @@ def _flash_fwd_kernel(
         k = tl.load(K + kv_rows[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + kv_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
         acc, m_i, l_i = attend_tile(
-            acc, m_i, l_i, q, k, v, q_pos, prefix + j, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION
+            acc, m_i, l_i, q, k, v, q_pos, prefix + j, k_ok, qk_scale, window, CAUSAL, WINDOWED, PRECISION, cap, SOFTCAP
         )
 
     # Rows that see no key at all (only possible when q_len > k_len) output zeros and lse -inf.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
+    lse = m_i + tl.log2(l_safe)
+    if SINKS:  # the sink (log2 units) joins the denominator: out * sigmoid(lse - sink), lse += the sink's share
+        sink = tl.load(Sinks + head)
+        out = out / (1.0 + tl.exp2(sink - lse))[:, None]
+        lse = tl.maximum(lse, sink) + tl.log2(1.0 + tl.exp2(-tl.abs(lse - sink)))
     tl.store(
         Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
         mask=m_ok[:, None] & d_ok[None, :],
     )
     if STORE_LSE:  # log2-sum-exp2 of the scaled scores, for the backward pass
-        tl.store(Lse + head * stride_lh + q_start + offs_m, m_i + tl.log2(l_safe), mask=m_ok)
+        tl.store(Lse + head * stride_lh + q_start + offs_m, lse, mask=m_ok)
 
 
 def fwd_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
@@ -148,11 +171,6 @@ def fwd_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     if dtype == torch.float32:
         return 32, 32, 4
     return (128, 64, 8) if head_dim > 64 else (64, 64, 4)
-
-
-def _check_window(causal: bool, sliding_window: int | None) -> None:
-    if sliding_window is not None and not causal:
-        raise ValueError("sliding_window follows HF Mistral semantics and requires causal=True")
 
 
 def flash_attn_fwd_triton(
@@ -168,12 +186,15 @@ def flash_attn_fwd_triton(
     softmax_scale=None,
     paged_prefix=None,
     with_lse=False,
+    sinks=None,
+    softcap=0.0,
 ):
     """Launch the forward kernel; returns (out [T, Hq, D], lse [Hq, T] in log2 units or None).
 
-    paged_prefix = (k_cache, v_cache, block_tables, prefix_lens) switches on the cached-prefix loop.
+    paged_prefix = (k_cache, v_cache, block_tables, prefix_lens) switches on the cached-prefix loop;
+    sinks [Hq] (any float dtype) and softcap > 0 switch on attention sinks and soft-capping.
     """
-    _check_window(causal, sliding_window)
+    check_window(causal, sliding_window)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -190,6 +211,8 @@ def flash_attn_fwd_triton(
         k_cache = v_cache = block_tables = prefix_lens = cu_seqlens_q  # placeholders, never read
         page_size, cache_strides = 1, (0, 0, 0, 0)
     block_m, block_n, num_warps = fwd_config(q.dtype, head_dim)
+    qk_scale, cap = score_scales(scale, softcap)
+    sinks2 = (sinks.float() * LOG2E).contiguous() if sinks is not None else cu_seqlens_q  # else never read
     grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, batch)
     _flash_fwd_kernel[grid](
         q,
@@ -203,6 +226,7 @@ def flash_attn_fwd_triton(
         v_cache,
         block_tables,
         prefix_lens,
+        sinks2,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -213,7 +237,8 @@ def flash_attn_fwd_triton(
         out.stride(1),
         *cache_strides,
         lse.stride(0) if with_lse else 0,
-        scale * LOG2E,
+        qk_scale,
+        cap,
         sliding_window or 0,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
@@ -226,6 +251,8 @@ def flash_attn_fwd_triton(
         PAGE_SIZE=page_size,
         STORE_LSE=with_lse,
         PRECISION=dot_precision(q.dtype),
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=2,
     )
@@ -237,7 +264,19 @@ class FlashAttnVarlen(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale
+        ctx,
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        sliding_window,
+        softmax_scale,
+        sinks=None,
+        softcap=0.0,
     ):
         out, lse = flash_attn_fwd_triton(
             q,
@@ -250,21 +289,42 @@ class FlashAttnVarlen(torch.autograd.Function):
             sliding_window=sliding_window,
             softmax_scale=softmax_scale,
             with_lse=True,
+            sinks=sinks,
+            softcap=softcap,
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-        ctx.args = (max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+        ctx.args = (max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale, softcap)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         from .flash_attention_bwd import flash_attn_bwd_triton
 
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        max_q, max_k, causal, window, scale = ctx.args
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
+        max_q, max_k, causal, window, scale, softcap = ctx.args
         dq, dk, dv = flash_attn_bwd_triton(
-            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal=causal, sliding_window=window, softmax_scale=scale
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            causal=causal,
+            sliding_window=window,
+            softmax_scale=scale,
+            softcap=softcap,
         )
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[10]:
+            # d loss / d sink_h = -sum_i p_sink[h, i] D[i, h], D = rowsum(dO * O), p_sink = 2^(sink - lse)
+            delta = (dout.float() * out.float()).sum(-1).T  # [Hq, T], like lse
+            p_sink = torch.exp2(sinks.float()[:, None] * LOG2E - lse)
+            dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks, None
 
 
 def flash_attn_varlen_triton(
@@ -279,47 +339,24 @@ def flash_attn_varlen_triton(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
-    """Triton path (differentiable)."""
+    """Triton path (differentiable, sinks included)."""
     return FlashAttnVarlen.apply(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sliding_window, softmax_scale
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        sliding_window,
+        softmax_scale,
+        sinks,
+        softcap,
     )
-
-
-def _sdpa(q, k, v, causal, sliding_window, scale):
-    """[L, H, D] tensors of one sequence through torch SDPA (GQA handled by enable_gqa)."""
-    q_len, k_len = q.shape[0], k.shape[0]
-    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    if causal and sliding_window is None and q_len == k_len:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        mask = attention_mask(q_len, k_len, causal, sliding_window, q.device)
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.squeeze(0).transpose(0, 1)
-
-
-def flash_attn_varlen_torch(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    *,
-    causal=True,
-    sliding_window=None,
-    softmax_scale=None,
-):
-    """CPU path: torch SDPA per sequence (differentiable)."""
-    _check_window(causal, sliding_window)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    outs = [
-        _sdpa(q[cq[b] : cq[b + 1]], k[ck[b] : ck[b + 1]], v[ck[b] : ck[b + 1]], causal, sliding_window, scale)
-        for b in range(len(cq) - 1)
-    ]
-    return torch.cat(outs) if outs else torch.empty_like(q)
 
 
 def flash_attn_varlen(
@@ -334,8 +371,11 @@ def flash_attn_varlen(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
-    """Attention over packed sequences: q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens int32 [B+1]."""
+    """Attention over packed sequences: q [Tq, Hq, D], k/v [Tk, Hkv, D], cu_seqlens int32 [B+1].
+    sinks [Hq]: attention sinks (gpt-oss); softcap > 0: logit soft-capping (Gemma 2/3)."""
     impl = flash_attn_varlen_triton if use_triton(q, k, v) else flash_attn_varlen_torch
     return impl(
         q,
@@ -348,6 +388,8 @@ def flash_attn_varlen(
         causal=causal,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
+        sinks=sinks,
+        softcap=softcap,
     )
 
 
@@ -365,6 +407,8 @@ def flash_attn_with_paged_prefix_triton(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """Triton path (inference only): new tokens attend to their cached prefix and to themselves."""
     out, _ = flash_attn_fwd_triton(
@@ -378,36 +422,10 @@ def flash_attn_with_paged_prefix_triton(
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
         paged_prefix=(k_cache, v_cache, block_tables, prefix_lens),
+        sinks=sinks,
+        softcap=softcap,
     )
     return out
-
-
-def flash_attn_with_paged_prefix_torch(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    k_cache,
-    v_cache,
-    block_tables,
-    prefix_lens,
-    max_seqlen_q,
-    *,
-    causal=True,
-    sliding_window=None,
-    softmax_scale=None,
-):
-    """CPU path: gather each prefix from the pools, prepend it to the new keys, run SDPA."""
-    _check_window(causal, sliding_window)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    cq, plens = cu_seqlens_q.tolist(), prefix_lens.tolist()
-    outs = []
-    for b in range(len(cq) - 1):
-        s, e = cq[b], cq[b + 1]
-        keys = torch.cat([gather_paged(k_cache, block_tables[b], plens[b]), k[s:e]])
-        vals = torch.cat([gather_paged(v_cache, block_tables[b], plens[b]), v[s:e]])
-        outs.append(_sdpa(q[s:e], keys, vals, causal, sliding_window, scale))
-    return torch.cat(outs) if outs else torch.empty_like(q)
 
 
 def flash_attn_with_paged_prefix(
@@ -424,6 +442,8 @@ def flash_attn_with_paged_prefix(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """Prefill of new tokens q/k/v [T, H, D] (packed by cu_seqlens_q) whose sequences already have
     prefix_lens[b] tokens in the paged pools k_cache/v_cache [num_blocks, block_size, Hkv, D]."""
@@ -441,4 +461,6 @@ def flash_attn_with_paged_prefix(
         causal=causal,
         sliding_window=sliding_window,
         softmax_scale=softmax_scale,
+        sinks=sinks,
+        softcap=softcap,
     )

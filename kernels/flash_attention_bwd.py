@@ -8,6 +8,11 @@ tile by tile. With D_i = rowsum(dO * O) (preprocess kernel):
 Two kernels avoid atomics: one program per key block accumulates dK/dV over every query tile (and,
 for GQA, every query head of its group) that can see it; one program per query block accumulates
 dQ over the key tiles it sees. Scores are in log2 units like the forward.
+
+Soft-capping (SOFTCAP): a score is softcap * tanh(x / softcap) of the scaled q.k = x, so dS is
+multiplied by its derivative 1 - tanh^2 before dQ and dK. Attention sinks need nothing here: the
+forward's lse includes the sink (so P is the sink-normalised one) and D = rowsum(dO * O) still holds;
+the sinks' own gradient is computed from lse and D by the autograd function (flash_attention.py).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import LOG2E, alloc, dot_precision, next_pow2
+from ._utils import alloc, dot_precision, next_pow2
+from .online_softmax import score_scales, tanh
 
 
 @triton.jit
@@ -73,6 +79,7 @@ def _bwd_dkdv_kernel(
     stride_kh,
     stride_lh,
     qk_scale,
+    cap,
     sm_scale,
     window,
     GROUP: tl.constexpr,
@@ -83,6 +90,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     WINDOWED: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """q/dO share strides (stride_q*), and so do k/v/dk/dv (stride_k*): the launcher makes them contiguous."""
     pid_n = tl.program_id(0)
@@ -126,11 +134,18 @@ def _bwd_dkdv_kernel(
             delta = tl.load(Delta + head * stride_lh + q_start + offs_m, mask=m_ok, other=0.0)
             # transposed tiles [BLOCK_N, BLOCK_M] so dK/dV accumulate with plain dots
             keep_t = tl.trans(_visible(shift + offs_m, offs_n, m_ok, n_ok, window, CAUSAL, WINDOWED))
-            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+            s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+            if SOFTCAP:
+                t_t = tanh(s_t * qk_scale)
+                s_t = t_t * cap
+            else:
+                s_t = s_t * qk_scale
             p_t = tl.where(keep_t, tl.exp2(s_t - lse[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             ds_t = p_t * (dp_t - delta[None, :])
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t_t * t_t)
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     tl.store(DK + kv_ptr, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + kv_ptr, dv.to(DV.dtype.element_ty), mask=kv_mask)
@@ -153,6 +168,7 @@ def _bwd_dq_kernel(
     stride_kh,
     stride_lh,
     qk_scale,
+    cap,
     sm_scale,
     window,
     GROUP: tl.constexpr,
@@ -163,6 +179,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     WINDOWED: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -201,10 +218,17 @@ def _bwd_dq_kernel(
         k = tl.load(K + kv_ptr, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_ptr, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         keep = _visible(shift + offs_m, offs_n, m_ok, n_ok, window, CAUSAL, WINDOWED)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if SOFTCAP:
+            t = tanh(s * qk_scale)
+            s = t * cap
+        else:
+            s = s * qk_scale
         p = tl.where(keep, tl.exp2(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
     tl.store(DQ + q_ptr, (dq * sm_scale).to(DQ.dtype.element_ty), mask=q_mask)
 
@@ -229,8 +253,10 @@ def flash_attn_bwd_triton(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    softcap=0.0,
 ):
-    """Gradients (dq, dk, dv) given the forward's output and its log2-sum-exp lse [Hq, Tq]."""
+    """Gradients (dq, dk, dv) given the forward's output and its log2-sum-exp lse [Hq, Tq] (sinks
+    included); softcap: the forward's soft-cap (0: off)."""
     q, k, v, out, dout = (x.contiguous() for x in (q, k, v, out, dout))
     total_q, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -265,6 +291,7 @@ def flash_attn_bwd_triton(
         CAUSAL=causal,
         WINDOWED=sliding_window is not None,
         PRECISION=dot_precision(q.dtype),
+        SOFTCAP=bool(softcap),
         num_warps=num_warps,
         num_stages=2,
     )
@@ -274,7 +301,7 @@ def flash_attn_bwd_triton(
         k.stride(0),
         k.stride(1),
         lse.stride(0),
-        scale * LOG2E,
+        *score_scales(scale, softcap),
         scale,
         sliding_window or 0,
     )

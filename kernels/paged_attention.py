@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import use_triton
+from .attention_torch import attention_math
 from .cpu_extension import cpu_kernels
 from .paged_attention_triton import SplitPlan, paged_attention_decode_triton, plan_splits
 
@@ -52,11 +53,15 @@ def paged_attention_decode_torch(
     num_splits=None,
     max_context_len=None,
     max_score_estimate=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """CPU path: rows of similar length are gathered from the pools (index_select of whole blocks)
     into a padded batch, so a batch of wildly different lengths does not copy every row at the
     longest one's length; one SDPA call per group (each GQA group's query heads as rows against
-    their kv head, a mask only when a row is shorter than its group's longest or a window applies)."""
+    their kv head, a mask only when a row is shorter than its group's longest or a window applies).
+    With sinks or softcap, the explicit attention_math core in place of SDPA."""
+    extras = sinks is not None or bool(softcap)
     batch, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     k_blocks, v_blocks = k_cache.view(k_cache.shape[0], -1), v_cache.view(v_cache.shape[0], -1)
@@ -74,19 +79,25 @@ def paged_attention_decode_torch(
             shape = (n, nblocks * page_size, num_kv_heads, head_dim)
             keys = torch.index_select(k_blocks, 0, blocks).view(shape)[:, :width].transpose(1, 2)  # [n, Hkv, L, D]
             vals = torch.index_select(v_blocks, 0, blocks).view(shape)[:, :width].transpose(1, 2)
-            mask = None
+            mask = keep = None
             if any(lens[r] < width for r in rows) or (sliding_window is not None and sliding_window < width):
                 pos = torch.arange(width, device=q.device)[None, :]
                 ctx = context_lens[idx].long()[:, None]
                 keep = pos < ctx
                 if sliding_window is not None:
                     keep &= pos > ctx - 1 - sliding_window
-                mask = torch.zeros(n, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~keep[:, None, None, :], float("-inf")
-                )
-            # the GQA group's query heads are G query rows against their shared kv head: no K/V repeat
-            qg = q[idx].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=softmax_scale)
+                if not extras:
+                    mask = torch.zeros(n, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(
+                        ~keep[:, None, None, :], float("-inf")
+                    )
+            if extras:
+                scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+                keep = keep[:, None, None, :] if keep is not None else None
+                o = attention_math(q[idx].view(n, num_heads, 1, head_dim), keys, vals, scale, keep, sinks, softcap)
+            else:
+                # the GQA group's query heads are G query rows against their shared kv head: no K/V repeat
+                qg = q[idx].view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+                o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=softmax_scale)
             o = o.reshape(n, num_heads, head_dim)
         if out is None:
             return o
@@ -107,12 +118,16 @@ def paged_attention_decode_cpu(
     max_context_len=None,
     max_score_estimate=None,
     tail_mask=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """CPU path in C++ (csrc/paged_decode_cpu.cpp): reads K/V in place from the pools, no gather.
     float32 or bfloat16 (float32 math); splits and estimates change nothing. tail_mask [B, T] bool (CPU
-    only, no window): row b sees token t >= context_lens[b] - T only where tail_mask[b, t - context_lens[b] + T]."""
+    only, no window): row b sees token t >= context_lens[b] - T only where tail_mask[b, t - context_lens[b] + T].
+    sinks [Hq] (any float dtype, cast to float32) and softcap > 0: attention sinks and soft-capping."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     tail = tail_mask.to(torch.uint8).contiguous() if tail_mask is not None else None
+    sinks = sinks.detach().float().contiguous() if sinks is not None else None
     return cpu_kernels().paged_decode(
         q.contiguous(),
         k_cache,
@@ -122,6 +137,8 @@ def paged_attention_decode_cpu(
         scale,
         sliding_window or 0,
         tail,
+        sinks,
+        float(softcap or 0.0),
     )
 
 
@@ -149,11 +166,14 @@ def paged_attention_decode(
     num_splits=None,
     max_context_len=None,
     max_score_estimate=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """Decode attention: q [B, Hq, D] (one token per sequence, at position context_lens[b] - 1) over
     the paged pools. max_context_len (host int) sizes the splits without a device sync;
-    max_score_estimate switches on FlashDecoding++'s unified max (Triton path only). CUDA runs the
-    Triton kernel; CPU float32/bfloat16 the C++ kernel when it could be built; anything else the torch path."""
+    max_score_estimate switches on FlashDecoding++'s unified max (Triton path only). sinks [Hq]:
+    attention sinks (gpt-oss); softcap > 0: logit soft-capping (Gemma 2/3). CUDA runs the Triton
+    kernel; CPU float32/bfloat16 the C++ kernel when it could be built; anything else the torch path."""
     if use_triton(q, k_cache):
         impl = paged_attention_decode_triton
     else:
@@ -169,4 +189,6 @@ def paged_attention_decode(
         num_splits=num_splits,
         max_context_len=max_context_len,
         max_score_estimate=max_score_estimate,
+        sinks=sinks,
+        softcap=softcap,
     )

@@ -19,6 +19,10 @@ accumulator and no rowmax reduction per tile. p is kept in fp32 (its range is no
 multiplied with V as fp32 (tf32 on tensor cores). If the estimate was wrong the split's sum l shows
 it - l > 1e19 risks overflow, l < 1e-18 means precision was lost to underflow - and that split
 alone is recomputed with the ordinary online softmax. The reduce is the same either way.
+
+Soft-capping (SOFTCAP) caps each tile's scores (online_softmax). Attention sinks (SINKS) join each
+row's denominator once: with one split the kernel scales its output by sigmoid(lse - sink), else the
+reduce adds 2^(sink - lse_max) to its sum of split weights.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ._utils import LOG2E, alloc, cdiv, dot_precision, next_pow2, num_sms
-from .online_softmax import attend_tile
+from .online_softmax import attend_tile, score_scales, scores
 
 
 @triton.jit
@@ -49,6 +53,7 @@ def _split_softmax(
     stride_ch,
     stride_bt,
     qk_scale,
+    cap,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -56,6 +61,7 @@ def _split_softmax(
     BLOCK_N: tl.constexpr,
     UNIFIED: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """(acc, m, l) of keys [start, end) of one sequence for the [BLOCK_H] query rows q."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -73,12 +79,14 @@ def _split_softmax(
         k = tl.load(KCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(VCache + slot[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if UNIFIED:
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            s = scores(q, k, qk_scale, cap, SOFTCAP, PRECISION)
             p = tl.where(ok[None, :], tl.exp2(s - m_i[:, None]), 0.0)
             l_i += tl.sum(p, 1)
             acc += tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         else:
-            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, pos, pos, ok, qk_scale, 0, False, False, PRECISION)
+            acc, m_i, l_i = attend_tile(
+                acc, m_i, l_i, q, k, v, pos, pos, ok, qk_scale, 0, False, False, PRECISION, cap, SOFTCAP
+            )
     return acc, m_i, l_i
 
 
@@ -90,6 +98,7 @@ def _paged_decode_kernel(
     BlockTables,
     ContextLens,
     MaxEstimate,
+    Sinks,
     Out,
     PartOut,
     PartLse,
@@ -105,6 +114,7 @@ def _paged_decode_kernel(
     stride_ph,
     stride_ps,
     qk_scale,
+    cap,
     window,
     split_size,
     GROUP: tl.constexpr,
@@ -117,6 +127,8 @@ def _paged_decode_kernel(
     UNIFIED: tl.constexpr,
     DIRECT: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -157,6 +169,7 @@ def _paged_decode_kernel(
             stride_ch,
             stride_bt,
             qk_scale,
+            cap,
             BLOCK_H,
             BLOCK_D,
             HEAD_DIM,
@@ -164,6 +177,7 @@ def _paged_decode_kernel(
             BLOCK_N,
             True,
             PRECISION,
+            SOFTCAP,
         )
         bad = h_ok & ((l_i > 1e19) | (l_i < 1e-18) | (l_i != l_i))
         if tl.max(bad.to(tl.int32), 0) > 0:  # the estimate was off: redo this split the safe way
@@ -182,6 +196,7 @@ def _paged_decode_kernel(
                 stride_ch,
                 stride_bt,
                 qk_scale,
+                cap,
                 BLOCK_H,
                 BLOCK_D,
                 HEAD_DIM,
@@ -189,6 +204,7 @@ def _paged_decode_kernel(
                 BLOCK_N,
                 False,
                 PRECISION,
+                SOFTCAP,
             )
     else:
         acc, m_i, l_i = _split_softmax(
@@ -206,6 +222,7 @@ def _paged_decode_kernel(
             stride_ch,
             stride_bt,
             qk_scale,
+            cap,
             BLOCK_H,
             BLOCK_D,
             HEAD_DIM,
@@ -213,9 +230,13 @@ def _paged_decode_kernel(
             BLOCK_N,
             False,
             PRECISION,
+            SOFTCAP,
         )
     out = acc / l_i[:, None]  # every split holds at least one visible key, so l > 0
     if DIRECT:
+        if SINKS:  # the sink (log2 units) joins the denominator: out * sigmoid(lse - sink)
+            sink = tl.load(Sinks + heads, mask=h_ok, other=0.0)
+            out = out / (1.0 + tl.exp2(sink - (m_i + tl.log2(l_i))))[:, None]
         tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=hd_mask)
     else:
         part = seq * stride_pb + heads * stride_ph + split * stride_ps  # PartOut is PartLse's shape + [D]
@@ -228,6 +249,7 @@ def _paged_decode_reduce_kernel(
     PartOut,
     PartLse,
     ContextLens,
+    Sinks,
     Out,
     stride_ob,
     stride_oh,
@@ -239,6 +261,7 @@ def _paged_decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -260,7 +283,10 @@ def _paged_decode_reduce_kernel(
     lse_max = tl.max(lse, 0)
     w = tl.where(s_ok, tl.exp2(lse - lse_max), 0.0)
     o = tl.load(PartOut + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if SINKS:  # the sink joins the denominator once, with no value
+        denom += tl.exp2(tl.load(Sinks + head) - lse_max)
+    out = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr, out.to(Out.dtype.element_ty), mask=d_ok)
 
 
@@ -306,8 +332,11 @@ def paged_attention_decode_triton(
     num_splits=None,
     max_context_len=None,
     max_score_estimate=None,
+    sinks=None,
+    softcap=0.0,
 ):
-    """Triton path; max_score_estimate (float or [Hq] tensor, in scaled-score units) selects unified max."""
+    """Triton path; max_score_estimate (float or [Hq] tensor, in scaled-score units, soft-capped
+    ones where softcap is on) selects unified max. sinks [Hq]: attention sinks; softcap > 0: soft-capping."""
     batch, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
@@ -321,6 +350,8 @@ def paged_attention_decode_triton(
     if unified and not torch.is_tensor(max_score_estimate):
         max_score_estimate = torch.full((num_heads,), float(max_score_estimate), device=q.device)
     estimate = (max_score_estimate.float() * LOG2E).contiguous() if unified else context_lens  # else unused
+    sinks2 = (sinks.float() * LOG2E).contiguous() if sinks is not None else context_lens  # else unused
+    qk_scale, cap = score_scales(scale, softcap)
 
     out = alloc(q.shape, q.dtype, q.device)
     part_out = alloc((batch, num_heads, plan.num_splits, head_dim), torch.float32, q.device)
@@ -333,6 +364,7 @@ def paged_attention_decode_triton(
         block_tables,
         context_lens,
         estimate,
+        sinks2,
         out,
         part_out,
         part_lse,
@@ -347,7 +379,8 @@ def paged_attention_decode_triton(
         part_lse.stride(0),
         part_lse.stride(1),
         part_lse.stride(2),
-        scale * LOG2E,
+        qk_scale,
+        cap,
         sliding_window or 0,
         plan.split_size,
         GROUP=group,
@@ -360,6 +393,8 @@ def paged_attention_decode_triton(
         UNIFIED=unified,
         DIRECT=direct,
         PRECISION=dot_precision(q.dtype),
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=4,
         num_stages=2,
     )
@@ -368,6 +403,7 @@ def paged_attention_decode_triton(
             part_out,
             part_lse,
             context_lens,
+            sinks2,
             out,
             out.stride(0),
             out.stride(1),
@@ -379,6 +415,7 @@ def paged_attention_decode_triton(
             BLOCK_D=block_d,
             BLOCK_S=next_pow2(plan.num_splits),
             WINDOWED=sliding_window is not None,
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out

@@ -39,14 +39,27 @@ def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return cache[block_table[pos // cache.shape[1]].long(), pos % cache.shape[1]]
 
 
-def _attend(q, k, v, keep, scale):
-    """softmax(q k^T * scale, masked) v for one sequence; GQA by repeating kv heads; no key -> 0."""
+def _attend(q, k, v, keep, scale, sinks=None, softcap=0.0):
+    """softmax(q k^T * scale, masked) v for one sequence; GQA by repeating kv heads; no key -> 0.
+
+    softcap > 0 (Gemma 2/3): scores = softcap * tanh(scores / softcap), before the mask.
+    sinks [Hq] (gpt-oss): one logit per query head that joins each softmax's denominator and has no
+    value: p_j = exp(s_j - m) / (sum_j exp(s_j - m) + exp(sink - m)), m = max(max_j s_j, sink)."""
     group = q.shape[1] // k.shape[1]
     acc = _acc(q.dtype)
     k = k.to(acc).repeat_interleave(group, dim=1)
     v = v.to(acc).repeat_interleave(group, dim=1)
     s = torch.einsum("qhd,khd->hqk", q.to(acc), k) * scale
-    p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is None:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    else:
+        sink = sinks.to(acc)[:, None, None].expand(-1, s.shape[1], 1)  # [Hq, q, 1]
+        m = torch.cat([s, sink], dim=-1).amax(dim=-1, keepdim=True)  # finite: the sink is
+        e = torch.exp(s - m)
+        p = e / (e.sum(dim=-1, keepdim=True) + torch.exp(sink - m))
     return torch.einsum("hqk,khd->qhd", p, v).to(q.dtype)
 
 
@@ -62,6 +75,8 @@ def flash_attn_varlen_ref(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
     scale = _scale(softmax_scale, q.shape[-1])
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -69,7 +84,7 @@ def flash_attn_varlen_ref(
     for b in range(len(cq) - 1):
         qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         keep = attention_mask(qs.stop - qs.start, ks.stop - ks.start, causal, sliding_window, q.device)
-        out[qs] = _attend(q[qs], k[ks], v[ks], keep, scale)
+        out[qs] = _attend(q[qs], k[ks], v[ks], keep, scale, sinks, softcap)
     return out
 
 
@@ -87,6 +102,8 @@ def flash_attn_with_paged_prefix_ref(
     causal=True,
     sliding_window=None,
     softmax_scale=None,
+    sinks=None,
+    softcap=0.0,
 ):
     scale = _scale(softmax_scale, q.shape[-1])
     cq = cu_seqlens_q.tolist()
@@ -96,7 +113,7 @@ def flash_attn_with_paged_prefix_ref(
         keys = torch.cat([gather_paged(k_cache, block_tables[b], p), k[s:e]])
         vals = torch.cat([gather_paged(v_cache, block_tables[b], p), v[s:e]])
         keep = attention_mask(e - s, p + e - s, causal, sliding_window, q.device)
-        out[s:e] = _attend(q[s:e], keys, vals, keep, scale)
+        out[s:e] = _attend(q[s:e], keys, vals, keep, scale, sinks, softcap)
     return out
 
 
@@ -112,6 +129,8 @@ def paged_attention_decode_ref(
     num_splits=None,
     max_context_len=None,
     max_score_estimate=None,
+    sinks=None,
+    softcap=0.0,
 ):
     """One new token per sequence at position context_lens[b] - 1; splits and estimates change nothing."""
     scale = _scale(softmax_scale, q.shape[-1])
@@ -124,6 +143,8 @@ def paged_attention_decode_ref(
             gather_paged(v_cache, block_tables[b], n),
             keep,
             scale,
+            sinks,
+            softcap,
         )[0]
     return out
 

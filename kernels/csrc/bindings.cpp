@@ -4,7 +4,8 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention over float32 or bfloat16 pools (CPU)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
-        py::arg("window"), py::arg("tail_mask") = py::none());
+        py::arg("window"), py::arg("tail_mask") = py::none(), py::arg("sinks") = py::none(),
+        py::arg("softcap") = 0.0);
   m.def("paged_decode_simd", &paged_decode_simd,
         "the vector path paged_decode compiled for head_dim 32/64/128: avx512, avx2 or portable");
   m.def("cache_write", &cache_write, "new K/V rows into the paged pools at slot_mapping (-1 skips)", py::arg("k"),

@@ -10,7 +10,8 @@
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t window,
-                           std::optional<torch::Tensor> tail_mask);
+                           std::optional<torch::Tensor> tail_mask, std::optional<torch::Tensor> sinks = std::nullopt,
+                           double softcap = 0.0);
 std::string paged_decode_simd();
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor slot_mapping);

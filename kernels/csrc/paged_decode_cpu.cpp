@@ -16,6 +16,11 @@
 // V rows (the tile's heads from one row load). bfloat16 pools on a CPU with AVX-512 BF16 take pass 1
 // through vdpbf16ps instead (score_chunk_bf16: the kernel 1.2x faster at decode shapes). Any other
 // head_dim, or a CPU with neither, runs the portable loops below them. paged_decode_simd() names the path this build compiled.
+//
+// Logit soft-capping (Gemma 2/3: softcap > 0) rewrites pass 1's scores as softcap * tanh(s / softcap)
+// before any mask; attention sinks (gpt-oss: one float32 logit per query head) join pass 2's max and
+// denominator and have no value. Both live in their own instantiation (X = true), so the kernel
+// without them is compiled exactly as before (and computes bit for bit the same).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -45,6 +50,8 @@ struct Args {
   float scale;
   const uint8_t* tail;  // optional [batch, tail_len]: which of a row's last tail_len tokens it sees
   int64_t tail_len, tail_row;
+  const float* sinks;  // optional [num_heads]: each query head's sink logit
+  float softcap;  // > 0: scores become softcap * tanh(score / softcap)
 };
 
 // Calls fn(i, row) for the visible tokens start + i < len of one sequence, row pointing at the
@@ -135,6 +142,14 @@ inline void value_tile(Rows&& rows, const float* p, int64_t n, float* o, int64_t
 }
 #endif
 
+// Soft-caps the scores of nh heads over n tokens (before any mask: hide_tail runs after it).
+template <typename T>
+void cap_scores(const Args<T>& a, int64_t nh, float* scores, int64_t n) {
+  if (a.softcap <= 0.f) return;
+  const float cap = a.softcap, inv = 1.f / a.softcap;
+  for (int64_t i = 0; i < nh * n; ++i) scores[i] = cap * std::tanh(scores[i] * inv);
+}
+
 // Hides the tree slots that are not a speculative tree row's ancestors (scores of nh heads, n tokens).
 template <typename T>
 void hide_tail(const Args<T>& a, int64_t b, int64_t start, int64_t len, int64_t nh, float* scores, int64_t n) {
@@ -148,7 +163,8 @@ void hide_tail(const Args<T>& a, int64_t b, int64_t start, int64_t len, int64_t 
 // One work item: sequence b, kv heads [h0, h1). Pass 1: every query head's scaled scores q.k; pass
 // 2: each head's softmax numerators (normalised at the end); pass 3: the weighted sum of values.
 // `buf` is the calling thread's scratch, grown as needed (no allocation per item).
-template <typename T, int D>
+// X: soft-capping and/or sinks are on (a.softcap > 0, a.sinks set).
+template <typename T, int D, bool X>
 void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, std::vector<float>& buf) {
   const int64_t dl = D > 0 ? D : dim;
   const int64_t G = a.group, nkv = h1 - h0, nh = nkv * G;  // query heads in this item
@@ -189,6 +205,7 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
       }
       t = end;
     }
+    if constexpr (X) cap_scores(a, nh, scores, n);
     hide_tail(a, b, start, len, nh, scores, n);
     const int64_t whole = n / kW * kW;
     const vmask rest = vfirst(n - whole);
@@ -196,7 +213,15 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
       float* s = scores + j * n;
       vec m = vload_first(s + whole, rest, kHidden);
       for (int64_t i = 0; i < whole; i += kW) m = vmax(m, vload(s + i));
-      const vec mx = vset1(vmaxof(m));
+      float mxf = vmaxof(m);
+      float sink = 0.f;
+      if constexpr (X) {
+        if (a.sinks) {
+          sink = a.sinks[h0 * G + j];
+          mxf = std::max(mxf, sink);
+        }
+      }
+      const vec mx = vset1(mxf);
       vec sum = vzero();
       for (int64_t i = 0; i < whole; i += kW) {
         const vec e = vexp(vsub(vload(s + i), mx));
@@ -205,7 +230,11 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
       }
       const vec e = vkeep(rest, vexp(vsub(vload_first(s + whole, rest, 0.f), mx)));
       vstore_first(s + whole, rest, e);
-      inv[j] = 1.f / vsum(vadd(sum, e));
+      float total = vsum(vadd(sum, e));
+      if constexpr (X) {
+        if (a.sinks) total += std::exp(sink - mxf);
+      }
+      inv[j] = 1.f / total;
     }
     // pass 3, per kv head: tiles of GT query heads x NC vectors of head_dim, all heads of a tile
     // from one V row load; the accumulators fit the registers.
@@ -234,15 +263,26 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
         scores[j * n + i] = s * a.scale;
       }
     });
+    if constexpr (X) cap_scores(a, nh, scores, n);
     hide_tail(a, b, start, len, nh, scores, n);
     for (int64_t j = 0; j < nh; ++j) {  // pass 2: softmax numerators
       float* s = scores + j * n;
       float m = s[0];  // no infinities: -ffast-math assumes there are none
       for (int64_t i = 1; i < n; ++i) m = std::max(m, s[i]);
+      float sink = 0.f;
+      if constexpr (X) {
+        if (a.sinks) {
+          sink = a.sinks[h0 * G + j];
+          m = std::max(m, sink);
+        }
+      }
       float sum = 0.f;
       for (int64_t i = 0; i < n; ++i) {
         s[i] = std::exp(s[i] - m);
         sum += s[i];
+      }
+      if constexpr (X) {
+        if (a.sinks) sum += std::exp(sink - m);
       }
       inv[j] = 1.f / sum;
     }
@@ -260,7 +300,7 @@ void attend(const Args<T>& a, int64_t dim, int64_t b, int64_t h0, int64_t h1, st
     for (int64_t d = 0; d < dl; ++d) out[j * dl + d] = T(o[j * dl + d] * inv[j]);
 }
 
-template <typename T, int D>
+template <typename T, int D, bool X>
 void run(const Args<T>& a, int64_t dim, int64_t batch) {
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   // Whole sequences per item when there are enough of them; else one kv head per item.
@@ -285,18 +325,27 @@ void run(const Args<T>& a, int64_t dim, int64_t batch) {
     for (int64_t t = lo; t < hi; ++t)
       for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) {
         const int64_t b = i / split, h0 = (i % split) * per;
-        attend<T, D>(a, dim, b, h0, h0 + per, buf);
+        attend<T, D, X>(a, dim, b, h0, h0 + per, buf);
       }
   });
 }
 
+template <typename T, bool X>
+void dispatch_dim(const Args<T>& a, int64_t dim, int64_t batch) {
+  switch (dim) {
+    case 32: run<T, 32, X>(a, dim, batch); break;
+    case 64: run<T, 64, X>(a, dim, batch); break;
+    case 128: run<T, 128, X>(a, dim, batch); break;
+    default: run<T, 0, X>(a, dim, batch);
+  }
+}
+
 template <typename T>
 void dispatch(const Args<T>& a, int64_t dim, int64_t batch) {
-  switch (dim) {
-    case 32: run<T, 32>(a, dim, batch); break;
-    case 64: run<T, 64>(a, dim, batch); break;
-    case 128: run<T, 128>(a, dim, batch); break;
-    default: run<T, 0>(a, dim, batch);
+  if (a.sinks != nullptr || a.softcap > 0.f) {
+    dispatch_dim<T, true>(a, dim, batch);
+  } else {
+    dispatch_dim<T, false>(a, dim, batch);
   }
 }
 
@@ -312,7 +361,8 @@ std::string paged_decode_simd() {
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, int64_t window,
-                           std::optional<torch::Tensor> tail_mask) {
+                           std::optional<torch::Tensor> tail_mask, std::optional<torch::Tensor> sinks,
+                           double softcap) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && k_cache.scalar_type() == dtype &&
               v_cache.scalar_type() == dtype, "paged_decode (CPU): float32 or bfloat16, the same for q and the pools");
@@ -326,6 +376,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(tail_mask->scalar_type() == torch::kUInt8 && tail_mask->dim() == 2 && tail_mask->size(0) == batch &&
                 tail_mask->stride(1) == 1, "tail_mask: uint8 [batch, tail_len], rows contiguous");
     TORCH_CHECK(window <= 0, "tail_mask and a sliding window together are not supported");
+  }
+  if (sinks) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat32 && sinks->is_contiguous() && sinks->numel() == num_heads &&
+                sinks->device().is_cpu(), "sinks: contiguous float32 [num_heads] on the CPU");
   }
   // A bad block table must fail loudly, not read outside the pools.
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -351,7 +405,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                    num_kv_heads, num_heads / num_kv_heads, k_cache.size(1), window, static_cast<float>(scale),
                    tail_mask ? tail_mask->data_ptr<uint8_t>() : nullptr, tail_mask ? tail_mask->size(1) : 0,
-                   tail_mask ? tail_mask->stride(0) : 0};
+                   tail_mask ? tail_mask->stride(0) : 0, sinks ? sinks->data_ptr<float>() : nullptr,
+                   static_cast<float>(softcap)};
   };
   if (dtype == torch::kBFloat16) {
     dispatch(args(static_cast<c10::BFloat16*>(nullptr)), dim, batch);

@@ -10,7 +10,8 @@ a decode row over its sequence's cache up to itself (a quantized KV cache keeps 
 chunks: its pools hold the chunk's K/V rounded). Speculative token trees are verified last, each node attending
 to the cached prefix and its own ancestors: on CPU through the C++ decode kernel with a mask over
 the tree's slots, elsewhere (and with a sliding window) torch SDPA with a tree mask (trees are
-small).
+small). A layer's attention sinks (gpt-oss) and logit soft-cap (Gemma 2/3) go to every one of these
+calls (`attention_extras`); the torch tree path then writes the attention out (kernels' attention_math).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from baton.common.model import Attention
 from baton.kernels import flash_attn_with_paged_prefix, paged_attention_decode, reshape_and_cache
+from baton.kernels.attention_torch import attention_math
 from baton.kernels.paged_attention import cpu_kernel_fits, paged_attention_decode_cpu
 from baton.serve.quantization.kv_cache import write_and_read
 
@@ -96,6 +98,11 @@ class AttentionMetadata:
         return tables.to(torch.int32), torch.cat([self.decode_context_lens.long(), lens]).to(torch.int32)
 
 
+def attention_extras(layer) -> dict:
+    """The layer's attention sinks ([Hq] or None) and logit soft-cap (0.0: off), as kernel keywords."""
+    return {"sinks": getattr(layer, "sinks", None), "softcap": getattr(layer, "logit_softcap", None) or 0.0}
+
+
 class PagedAttention:
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv_cache_dtype: str = "auto"):
         self.kv_caches = kv_caches
@@ -115,24 +122,25 @@ class PagedAttention:
         else:  # quantize on write; attend over the blocks this step reads, dequantized
             k_cache, v_cache, md = write_and_read(k, v, k_cache, v_cache, md, self.kv_cache_dtype, q.dtype)
         window = layer.sliding_window if md.window_in_cache else None
+        extra = attention_extras(layer)
         if self.query_rows is not None and layer.layer_idx == self.query_rows_layer:
-            return self._answer_rows(q, k_cache, v_cache, md, layer.scaling, window)
+            return self._answer_rows(q, k_cache, v_cache, md, layer.scaling, window, extra)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if md.trees and window is None and cpu_kernel_fits(q, k_cache, v_cache):  # all trees in one call
             rows, tables, lens, tail = md.tree_rows
             out[rows] = paged_attention_decode_cpu(
-                q[rows], k_cache, v_cache, tables, lens, softmax_scale=layer.scaling, tail_mask=tail
+                q[rows], k_cache, v_cache, tables, lens, softmax_scale=layer.scaling, tail_mask=tail, **extra
             )
         else:
             for tree in md.trees:
                 r = slice(tree.row, tree.row + tree.size)
-                out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window)
+                out[r] = tree_attention(q[r], k[r], v[r], k_cache, v_cache, tree, layer.scaling, window, **extra)
         if md.num_prefills and self.kv_cache_dtype == "auto" and cpu_kernel_fits(q, k_cache, v_cache):
             tables, lens = md.rows_over_cache  # decode rows and chunks in one call (the chunks' K/V are written)
             n = lens.numel()
             rows = paged_attention_decode_cpu(
-                q[:n], k_cache, v_cache, tables, lens, softmax_scale=layer.scaling, sliding_window=window
+                q[:n], k_cache, v_cache, tables, lens, softmax_scale=layer.scaling, sliding_window=window, **extra
             )
             if n == q.shape[0]:
                 return rows.unsqueeze(0)
@@ -147,6 +155,7 @@ class PagedAttention:
                 md.decode_context_lens,
                 softmax_scale=layer.scaling,
                 sliding_window=window,
+                **extra,
             )
         if md.num_prefills:
             end = nd + int(md.prefill_cu_seqlens[-1])
@@ -163,23 +172,29 @@ class PagedAttention:
                 causal=True,
                 sliding_window=window,
                 softmax_scale=layer.scaling,
+                **extra,
             )
         return out.unsqueeze(0)
 
-    def _answer_rows(self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int | None):
+    def _answer_rows(
+        self, q, k_cache, v_cache, md: AttentionMetadata, scale: float, window: int | None, extra: dict | None = None
+    ):
         """The query_rows alone, each a decode row over its sequence's cache up to itself (every
         row's K/V is written): [1, rows, Hq, D]. The runner asks this at the last layer of a step
         with prefill chunks, whose other rows would only feed outputs nobody reads (model_runner.py)."""
         tables, lens = md.rows_over_cache
         r = self.query_rows
         out = paged_attention_decode(
-            q[r], k_cache, v_cache, tables[r], lens[r], softmax_scale=scale, sliding_window=window
+            q[r], k_cache, v_cache, tables[r], lens[r], softmax_scale=scale, sliding_window=window, **(extra or {})
         )
         return out.unsqueeze(0)
 
 
-def tree_attention(q, k, v, k_cache, v_cache, tree: TreeGroup, scale: float, window: int | None) -> torch.Tensor:
-    """Tree nodes attend to the cached prefix and to their own ancestors (torch path)."""
+def tree_attention(
+    q, k, v, k_cache, v_cache, tree: TreeGroup, scale: float, window: int | None, sinks=None, softcap=0.0
+) -> torch.Tensor:
+    """Tree nodes attend to the cached prefix and to their own ancestors (torch path); sinks [Hq] and
+    softcap > 0 (attention sinks, logit soft-capping) take the explicit attention_math core."""
     blocks = torch.tensor(tree.block_table, device=q.device)
     kp = k_cache[blocks].flatten(0, 1)[: tree.prefix_len]
     vp = v_cache[blocks].flatten(0, 1)[: tree.prefix_len]
@@ -192,7 +207,9 @@ def tree_attention(q, k, v, k_cache, v_cache, tree: TreeGroup, scale: float, win
         q_idx = tree.prefix_len + depth
         k_idx = torch.cat([torch.arange(tree.prefix_len, device=q.device), tree.prefix_len + depth])
         mask &= (q_idx[:, None] - k_idx[None, :]) < window
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    qt, kt, vt = q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1)
+    if sinks is not None or softcap:
+        out = attention_math(qt[None], kt[None], vt[None], scale, mask, sinks, softcap)[0]
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)

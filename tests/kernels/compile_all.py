@@ -23,7 +23,7 @@ TARGETS = {"sm_90": 90, "sm_80": 80}
 SHARED_LIMIT = {90: 232448, 80: 166912}
 
 
-def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False):
+def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False, sinks=False, softcap=0.0):
     def run():
         from baton.kernels import flash_attention as fa
         from baton.kernels.flash_attention_bwd import flash_attn_bwd_triton
@@ -31,6 +31,7 @@ def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False
         cu = torch.tensor([0, 5, 12], dtype=torch.int32)
         q = torch.zeros(12, 4, head_dim, dtype=dtype)
         k = torch.zeros(12, 2, head_dim, dtype=dtype)
+        extra = dict(sinks=torch.zeros(4) if sinks else None, softcap=softcap)
         if paged:
             cache = torch.zeros(4, 16, 2, head_dim, dtype=dtype)
             fa.flash_attn_with_paged_prefix_triton(
@@ -45,17 +46,20 @@ def _attn(dtype, head_dim, causal=True, window=None, paged=False, backward=False
                 7,
                 causal=causal,
                 sliding_window=window,
+                **extra,
             )
         elif backward:
             lse = torch.zeros(4, 12)
-            flash_attn_bwd_triton(q, q, k, k, q, lse, cu, cu, 7, 7, causal=causal, sliding_window=window)
+            flash_attn_bwd_triton(
+                q, q, k, k, q, lse, cu, cu, 7, 7, causal=causal, sliding_window=window, softcap=softcap
+            )
         else:
-            fa.flash_attn_fwd_triton(q, k, k, cu, cu, 7, causal=causal, sliding_window=window, with_lse=True)
+            fa.flash_attn_fwd_triton(q, k, k, cu, cu, 7, causal=causal, sliding_window=window, with_lse=True, **extra)
 
     return run
 
 
-def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None):
+def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None, sinks=False, softcap=0.0):
     def run():
         from baton.kernels.paged_attention import paged_attention_decode_triton
 
@@ -71,6 +75,8 @@ def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None):
             sliding_window=window,
             num_splits=num_splits,
             max_score_estimate=estimate,
+            sinks=torch.zeros(2 * group) if sinks else None,
+            softcap=softcap,
         )
 
     return run
@@ -152,6 +158,15 @@ CASES = {
     "decode_f32_d64_gqa8_window_split": _decode(f32, 64, 8, 3, window=50),
     "decode_unified_max_bf16_d128_gqa4_split": _decode(bf16, 128, 4, 4, estimate=5.0),
     "decode_unified_max_f16_d64_direct": _decode(f16, 64, 2, 1, estimate=5.0),
+    # attention sinks (gpt-oss) and logit soft-capping (Gemma 2/3)
+    "flash_fwd_bf16_d64_sinks_softcap_window": _attn(bf16, 64, window=32, sinks=True, softcap=30.0),
+    "flash_fwd_f16_d128_paged_prefix_sinks_softcap": _attn(f16, 128, paged=True, sinks=True, softcap=50.0),
+    "flash_bwd_bf16_d128_softcap": _attn(bf16, 128, backward=True, softcap=30.0),
+    "decode_bf16_d64_gqa8_sinks_softcap_split": _decode(bf16, 64, 8, 4, sinks=True, softcap=30.0),
+    "decode_f16_d128_sinks_direct_window": _decode(f16, 128, 4, 1, window=50, sinks=True),
+    "decode_unified_max_bf16_d128_sinks_softcap_split": _decode(
+        bf16, 128, 4, 4, estimate=5.0, sinks=True, softcap=30.0
+    ),
     **{
         f"{name}_{tag}": _elementwise(name, dt)
         for name in ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache")

@@ -23,6 +23,7 @@ from baton.common.moe import build_moe
 from baton.common.rope import attention_factor, inv_frequencies, rotary_cos_sin
 from baton.common.ssm import Mamba2Mixer
 from baton.kernels import apply_rotary, rms_norm, swiglu
+from baton.kernels.attention_torch import attention_math
 from torch import nn
 
 
@@ -54,38 +55,12 @@ class DenseCausalAttention:
         if sinks is not None or cap:
             if mask is None:
                 mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-            out = capped_attention_with_sinks(q, k, v, mask, layer.scaling, cap, sinks)
+            out = attention_math(q, k, v, layer.scaling, mask, sinks, cap or 0.0)  # what SDPA cannot express
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scaling, enable_gqa=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling, enable_gqa=True)
         return out.transpose(1, 2)
-
-
-def capped_attention_with_sinks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """softmax(cap(q k^T * scale) + mask, with each head's sink logit in the denominator) v, in the
-    [B, H, S, D] layout: what SDPA cannot express (Gemma's soft-capping, gpt-oss's sinks)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is not None:
-        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-        scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs, v)
 
 
 class RMSNorm(nn.Module):

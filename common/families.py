@@ -1,0 +1,166 @@
+"""What each model family fixes, and the checks that keep a config one family's model.
+
+ModelConfig (common/config.py) holds the features as plain fields; these tables say which values a
+model_type implies, so that a recipe naming a family gets its features and one mixing families is
+refused (the exported config.json would mean another model to transformers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+QK_NORMS = ("head", "full")  # RMSNorm of each head's q/k (Qwen3, Gemma 3) or of the whole q/k projection (OLMo 2)
+NORM_LAYOUTS = ("pre", "sandwich", "post")  # Llama; Gemma (norms before and after each block); OLMo 2 (after)
+
+# What each family fixes: a config of that model_type gets these values where it left the field at its
+# default, and is refused where it set another (transformers would read the exported config.json as a
+# different model). Every other family has the defaults of these fields.
+FAMILY_FEATURES: dict[str, dict[str, Any]] = {
+    "qwen3": {"qk_norm": "head"},
+    "qwen3_moe": {"qk_norm": "head"},
+    "gemma2": {
+        "norm_layout": "sandwich",
+        "norm_weight_offset": 1.0,
+        "scale_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "gemma3_text": {
+        "qk_norm": "head",
+        "norm_layout": "sandwich",
+        "norm_weight_offset": 1.0,
+        "scale_embeddings": True,
+        "hidden_act": "gelu_pytorch_tanh",
+    },
+    "gpt_oss": {"attention_sinks": True, "router_bias": True, "expert_bias": True},
+    "olmo2": {"qk_norm": "full", "norm_layout": "post"},
+}
+STRUCTURAL = ("qk_norm", "norm_layout", "norm_weight_offset", "scale_embeddings", "hidden_act", "attention_sinks")
+STRUCTURAL += ("router_bias", "expert_bias")
+GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_rope_theta")
+# Values a family's config may change, filled in where a config leaves them unset (None).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"norm_topk_prob": False},
+    "gpt_oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+}
+# New-family fields, left out of to_dict() where at their defaults (older families' dicts stay as they were).
+FAMILY_FIELDS = (
+    "qk_norm",
+    "norm_layout",
+    "norm_weight_offset",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+    "attention_sinks",
+    "sliding_rope_theta",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "mlp_only_layers",
+    "decoder_sparse_step",
+    "router_bias",
+    "expert_bias",
+    "swiglu_alpha",
+    "swiglu_limit",
+)
+
+
+def apply_family_defaults(cfg) -> None:
+    """`model_type: qwen3` in a recipe means Qwen3's q/k norms without spelling them out."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    for name, value in FAMILY_FEATURES.get(cfg.model_type, {}).items():
+        if getattr(cfg, name) == defaults[name]:
+            setattr(cfg, name, value)
+    for name, value in FAMILY_DEFAULTS.get(cfg.model_type, {}).items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    if cfg.norm_topk_prob is None:
+        cfg.norm_topk_prob = True
+
+
+def validate_features(cfg, need) -> None:
+    """Each new feature's own values (which family may use it is validate_family's)."""
+    need(cfg.qk_norm in (None, *QK_NORMS), f"qk_norm must be null or one of {QK_NORMS}, got {cfg.qk_norm!r}")
+    need(cfg.norm_layout in NORM_LAYOUTS, f"norm_layout must be one of {NORM_LAYOUTS}, got {cfg.norm_layout!r}")
+    for name in (
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_rope_theta",
+    ):
+        value = getattr(cfg, name)
+        need(value is None or value > 0, f"{name} must be positive or null, got {value!r}")
+    m = cfg.moe_intermediate_size
+    need(m is None or (isinstance(m, int) and m > 0), f"moe_intermediate_size must be a positive integer, got {m!r}")
+    need(cfg.decoder_sparse_step >= 1, f"decoder_sparse_step must be >= 1, got {cfg.decoder_sparse_step}")
+    dense = cfg.mlp_only_layers or []
+    need(
+        all(isinstance(i, int) and 0 <= i < cfg.num_hidden_layers for i in dense),
+        f"mlp_only_layers must be layer indices in 0..{cfg.num_hidden_layers - 1}, got {dense}",
+    )
+    need(
+        (cfg.swiglu_alpha is None) == (cfg.swiglu_limit is None),
+        "swiglu_alpha and swiglu_limit come together (gpt-oss's clamped SwiGLU)",
+    )
+
+
+def validate_family(cfg, need) -> None:
+    """The exported config.json must mean the same thing to transformers."""
+    t = cfg.model_type
+    moe_families = ("mixtral", "qwen3_moe", "gpt_oss")
+    need(
+        t in moe_families or cfg.num_local_experts == 0,
+        f"model_type {t!r} has no MoE; use one of {moe_families} for num_local_experts > 0",
+    )
+    need(
+        t not in ("mixtral", "gpt_oss") or cfg.num_local_experts > 0,
+        f"model_type {t!r} needs num_local_experts > 0",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    fixed = FAMILY_FEATURES.get(t, {})
+    for name in STRUCTURAL:
+        want = fixed.get(name, defaults[name])
+        need(getattr(cfg, name) == want, f"model_type {t!r} has {name}={want!r}, got {getattr(cfg, name)!r}")
+    gemma = {
+        "query_pre_attn_scalar": ("gemma2", "gemma3_text"),
+        "final_logit_softcapping": ("gemma2", "gemma3_text"),
+    }
+    # (transformers' Gemma 3 reads attn_logit_softcapping but never applies it: only Gemma 2 has it)
+    gemma.update(attn_logit_softcapping=("gemma2",), sliding_rope_theta=("gemma3_text",))
+    for name, families in gemma.items():
+        need(t in families or getattr(cfg, name) is None, f"{name} is {families}'s; model_type {t!r} has none")
+    need(
+        (t == "gpt_oss") == (cfg.swiglu_alpha is not None),
+        f"the clamped SwiGLU (swiglu_alpha/limit) is gpt-oss's and only gpt-oss's, model_type {t!r}",
+    )
+    for name in ("moe_intermediate_size", "mlp_only_layers"):
+        need(t == "qwen3_moe" or getattr(cfg, name) is None, f"{name} is Qwen3-MoE's; model_type {t!r} has none")
+    need(t == "qwen3_moe" or cfg.decoder_sparse_step == 1, f"decoder_sparse_step is Qwen3-MoE's; not {t!r}'s")
+    need(
+        t == "qwen3_moe" or cfg.norm_topk_prob,
+        f"model_type {t!r} always renormalises the top-k routing weights (norm_topk_prob is Qwen3-MoE's)",
+    )
+    need(
+        (t == "qwen2") == cfg.qkv_bias,
+        "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
+        f"qkv_bias and model_type 'qwen2' (got model_type {t!r}, qkv_bias {cfg.qkv_bias})",
+    )
+    need(
+        t not in ("mistral", "qwen2", "mixtral") or not cfg.attention_bias,
+        f"attention_bias (bias on o_proj too) is Llama's; model_type {t!r} cannot express it",
+    )
+    need(
+        t == "bamba" or cfg.attn_layer_indices is None,
+        f"attn_layer_indices picks Bamba's attention layers; model_type {t!r} has no other kind",
+    )
+    need(
+        t not in ("llama", "olmo2") or cfg.sliding_window is None,
+        f"model_type {t!r} has no sliding-window attention",
+    )
+    need(
+        t in ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+        or cfg.layer_types is None
+        or set(cfg.layer_types) == {"sliding_attention"}
+        or set(cfg.layer_types) == {"full_attention"},
+        f"model_type {t!r} cannot express mixed layer_types",
+    )

@@ -126,7 +126,7 @@ NEWER = ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "olmo2")
 def family(request, tmp_path):
     config_cls, extra = FAMILIES[request.param]
     torch.manual_seed(0)
-    hf_cfg = config_cls(**BASE, **extra)
+    hf_cfg = config_cls(**{**BASE, **extra})
     hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg).float().eval()
     if hf_cfg.model_type == "qwen2":  # HF inits biases to zero; make them matter
         with torch.no_grad():
@@ -197,7 +197,7 @@ def test_hf_fused_expert_names_are_accepted(tmp_path):
 
     config_cls, extra = FAMILIES["mixtral-moe"]
     torch.manual_seed(0)
-    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**BASE, **extra)).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**BASE, **extra})).eval()
     hf_model.save_pretrained(tmp_path / "hf")
     save_file(
         {k: v.contiguous() for k, v in hf_model.state_dict().items()},

@@ -308,21 +308,22 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameter count from the shapes alone (tied embeddings counted once)."""
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_attention_heads * 2 + self.num_key_value_heads * 2)
+        hq, hkv = self.num_attention_heads, self.num_key_value_heads
+        attn = h * d * (hq * 2 + hkv * 2)
         if self.attention_bias:
-            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads) + h
+            attn += d * (hq + 2 * hkv) + h
         if self.qkv_bias:
-            attn += d * (self.num_attention_heads + 2 * self.num_key_value_heads)
-        mlp = 3 * h * i * max(1, self.num_local_experts) + (h * self.num_local_experts)
+            attn += d * (hq + 2 * hkv)
+        attn += {None: 0, "head": 2 * d, "full": (hq + hkv) * d}[self.qk_norm] + (hq if self.attention_sinks else 0)
+        e, ie = self.num_local_experts, self.expert_intermediate_size
+        moe = e * 3 * h * ie + h * e + (e if self.router_bias else 0) + (e * (2 * ie + h) if self.expert_bias else 0)
+        layers = range(self.num_hidden_layers)
+        ffn = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in layers)
+        norms = {"pre": 2, "sandwich": 4, "post": 2}[self.norm_layout] * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        n_attn = sum(self.is_attention_layer(j) for j in range(self.num_hidden_layers))
-        return (
-            n_attn * attn
-            + (self.num_hidden_layers - n_attn) * self._mixer_parameters()
-            + self.num_hidden_layers * (mlp + 2 * h)
-            + embed
-            + h
-        )
+        n_attn = sum(self.is_attention_layer(j) for j in layers)
+        mixers = (self.num_hidden_layers - n_attn) * self._mixer_parameters()
+        return n_attn * attn + mixers + ffn + self.num_hidden_layers * norms + embed + h
 
     def _mixer_parameters(self) -> int:
         inner, heads = self.mamba_expand * self.hidden_size, self.mamba_n_heads

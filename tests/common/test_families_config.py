@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import transformers
 from baton.common.checkpoint import read_config
 from baton.common.config import ConfigError, ModelConfig
 from baton.common.hf_config import config_from_hf, config_to_hf
+from baton.common.model import CausalLM
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
 HF = {
@@ -38,6 +40,14 @@ def test_every_family_round_trips_through_its_config_json(name, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config_to_hf(cfg)))
     assert transformers.AutoConfig.from_pretrained(tmp_path).model_type == name
     assert read_config(tmp_path) == cfg
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_the_parameter_count_from_the_config_is_the_models(name):
+    cfg = config_from_hf(hf_dict(name))
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    assert cfg.num_parameters() == sum(p.numel() for p in model.parameters())
 
 
 def test_a_recipe_names_the_family_and_gets_its_features():

@@ -27,6 +27,8 @@ from baton.common.checkpoint import (
 )
 from baton.common.config import DTYPES, ConfigError, ModelConfig
 from baton.common.hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from baton.common.moe import Qwen3Expert
+from baton.common.mxfp4 import dequantize_state_dict
 
 __all__ = [
     "ARCHITECTURES",
@@ -55,22 +57,36 @@ def transformers_class(name: str) -> type:
 
 # ---------------------------------------------------------------------------- tensor names
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Per family with per-expert modules: the MoE block's name and its experts' (gate, up, down) names.
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", Qwen3Expert.names)}
 
 
 def normalize_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Accept transformers-5 in-memory names too: fused expert tensors are split per expert."""
+    """HF's tensors under Baton's (= HF's on-disk) names. Also accepted:
+
+    - transformers-5 in-memory names (a state dict saved from a loaded model): Mixtral's and
+      Qwen3-MoE's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj`
+      [E, H, I] are split per expert (gpt-oss's stacked experts are its checkpoint names: kept);
+    - MXFP4 expert weights (gpt-oss hub checkpoints, `quantization_config.quant_method: mxfp4`):
+      `*_blocks`/`*_scales` are dequantized to the bf16 layout, in the dtype of the checkpoint's
+      other weights (baton.common.mxfp4)."""
+    if any(name.endswith("_blocks") for name in state):
+        state = dequantize_state_dict(state, _weights_dtype(state, cfg))
     out: dict[str, torch.Tensor] = {}
+    split = _EXPERT_NAMES.get(cfg.model_type)
     for name, t in state.items():
-        m = _FUSED_EXPERTS.match(name)
+        m = _FUSED_EXPERTS.match(name) if split else None
         if m:
             prefix, kind = m.groups()
+            block, (gate_name, up_name, down_name) = split
             for e in range(t.shape[0]):
-                base = f"{prefix}.block_sparse_moe.experts.{e}"
+                base = f"{prefix}.{block}.experts.{e}"
                 if kind == "gate_up_proj":
                     gate, up = t[e].chunk(2, dim=0)
-                    out[f"{base}.w1.weight"], out[f"{base}.w3.weight"] = gate.contiguous(), up.contiguous()
+                    out[f"{base}.{gate_name}.weight"] = gate.contiguous()
+                    out[f"{base}.{up_name}.weight"] = up.contiguous()
                 else:
-                    out[f"{base}.w2.weight"] = t[e].contiguous()
+                    out[f"{base}.{down_name}.weight"] = t[e].contiguous()
             continue
         if cfg.model_type == "mixtral":
             name = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
@@ -78,6 +94,15 @@ def normalize_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) ->
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _weights_dtype(state: dict[str, torch.Tensor], cfg: ModelConfig) -> torch.dtype:
+    """The floating dtype most of the checkpoint's tensors have (config.json's where none)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in state.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + 1
+    return max(counts, key=counts.get) if counts else cfg.dtype
 
 
 # ---------------------------------------------------------------------------- directories

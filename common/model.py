@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
-from baton.common.moe import build_moe
+from baton.common.moe import GptOssExperts, build_moe
 from baton.common.rope import attention_factor, inv_frequencies, rotary_cos_sin
 from baton.common.ssm import Mamba2Mixer
 from baton.kernels import apply_rotary, rms_norm, swiglu
@@ -360,6 +360,8 @@ def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
                 module.weight.fill_(1.0 - module.offset)
             elif isinstance(module, Mamba2Mixer):
                 module.reset_ssm_parameters()
+            elif isinstance(module, GptOssExperts):  # (stacked expert tensors, not nn.Linear)
+                module.reset_parameters(std, gen)
     return model
 
 

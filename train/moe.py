@@ -17,6 +17,12 @@ micro-batch's loss is local to its rank: data-parallel averaging then gives exac
 of the mean over all micro-batches, as one process accumulating them would.
 
 The values are recorded on the modules (detached) and read by `router_metrics` for the logs.
+
+Every MoE family Baton builds (baton.common.moe) routes top-k of its router logits, so the same two
+losses apply to each: Mixtral's, Qwen3-MoE's and gpt-oss's load_balancing_loss_func in transformers
+is this one (softmax over all logits, top-k of it; gpt-oss's logits include the router bias, and
+its routing weights, a softmax over the k chosen logits only, do not enter the loss), and HF's
+router_aux_loss_coef is `moe.aux_loss_coef` (tests/common/test_moe_families.py checks the values).
 """
 
 from __future__ import annotations

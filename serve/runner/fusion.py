@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from baton.common.model import MLP, Attention, DecoderLayer
+from baton.common.moe import pack_experts
 from torch import nn
 
 
@@ -56,7 +57,9 @@ def _concat(mods: list[nn.Linear]) -> nn.Linear:
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:
-    """In place: every decoder layer's q/k/v and gate/up projections that can be fused, are."""
+    """In place: every decoder layer's q/k/v and gate/up projections that can be fused, are; and the
+    experts of every MoE layer are packed into stacked tensors for the grouped GEMM (common/moe.py)."""
+    pack_experts(model)
     for layer in model.modules():
         if not isinstance(layer, DecoderLayer):
             continue

@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-
 from baton.common.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -19,7 +18,7 @@ MOE_MODES = ("auto", "tensor", "expert")
 class ParallelConfig:
     tensor_parallel_size: int = 1  # ranks that split every layer (heads, MLP columns, vocabulary)
     pipeline_parallel_size: int = 1  # ranks that each hold a contiguous slice of the layers
-    # Mixtral experts: "tensor" (every expert split) or "expert" (whole experts per rank); "auto" is
+    # Routed experts: "tensor" (every expert split) or "expert" (whole experts per rank); "auto" is
     # expert when the ranks divide the experts: measured 5-15% faster per MoE layer at T=2 on CPU
     # (half as many, twice as wide GEMMs; docs/benchmarks.md), else tensor.
     moe_parallel: str = "auto"
@@ -62,17 +61,27 @@ class ParallelConfig:
             )
         experts = cfg.num_local_experts
         mode = self.moe_mode(cfg)
-        if experts and mode == "expert":
-            if experts % t:
-                raise ValueError(f"expert parallelism: tensor_parallel_size {t} does not divide {experts} experts")
-        elif cfg.intermediate_size % t:
+        moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+        dense = len(moe_layers) < cfg.num_hidden_layers  # (Qwen3-MoE may keep dense MLPs in some layers)
+        split_experts = bool(moe_layers) and mode == "tensor"
+        if moe_layers and mode == "expert" and experts % t:
+            raise ValueError(f"expert parallelism: tensor_parallel_size {t} does not divide {experts} experts")
+        if dense and cfg.intermediate_size % t:
             raise ValueError(f"tensor_parallel_size {t} does not divide intermediate_size {cfg.intermediate_size}")
+        if split_experts and cfg.expert_intermediate_size % t:
+            raise ValueError(
+                f"tensor_parallel_size {t} does not divide the experts' intermediate size "
+                f"{cfg.expert_intermediate_size} (or use moe_parallel='expert' when it divides the {experts} experts)"
+            )
         if p > cfg.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {p} is more than the model's {cfg.num_hidden_layers} layers")
         if group_size and t > 1:  # a row-parallel shard must hold whole int4 quantization groups
             widths = [("attention output", heads * cfg.head_dim)]
-            if not (experts and mode == "expert"):  # whole experts per rank: their MLPs are not split
+            if dense:
                 widths.append(("MLP", cfg.intermediate_size))
+            # Whole experts per rank are not split; gpt-oss's stacked experts stay in float (quantize.py).
+            if split_experts and cfg.model_type != "gpt_oss":
+                widths.append(("expert MLP", cfg.expert_intermediate_size))
             for name, width in widths:
                 if (width // t) % group_size:
                     raise ValueError(

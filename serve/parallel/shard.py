@@ -11,11 +11,21 @@ rank's query heads find their KV heads locally; with fewer KV heads than ranks e
 replicated on the ranks whose query heads use it. The embedding is vocab-parallel (each rank looks
 up its vocabulary rows, the partial results are all-reduced) and the LM head column-parallel over
 the vocabulary, its logits all-gathered (trimmed of the padding that makes the vocabulary divide).
-Mixtral experts are either each split like an MLP ("tensor") or dealt out whole ("expert"); either
-way the MoE block ends in one all-reduce. Quantized linears are cut the same way: every tensor of a
-module is [out, ...], so a column split cuts dim 0 and a row split cuts dim 1 evenly (weights,
-packed int4 bytes, group scales/zeros alike; ParallelConfig.check_model keeps whole groups);
-per-output-channel scales are replicated.
+Routed experts (Mixtral's, Qwen3-MoE's, gpt-oss's stacked ones) are either each split like an MLP
+("tensor": gpt-oss's [E, H, 2I] gate/up columns and [E, I, H] down rows, cut along I, the down bias
+on rank 0 only) or dealt out whole ("expert"); either way the router is replicated (every rank
+routes alike) and the MoE block ends in one all-reduce.
+
+The newer families' attention: q/k norms per head (Qwen3, Gemma 3) are replicated, a rank applying
+them to its own heads; OLMo 2's norm over the whole q/k projection holds this rank's slice of its
+weight and takes the mean of squares over the full width (one all-reduce of the per-row sums: a
+replicated KV head is counted once per rank that holds it, in the sum and in the width alike, so
+the mean is the same); gpt-oss's sinks are split by query head like q_proj's rows. Soft-capping,
+the softmax scale and the per-layer rope need nothing.
+
+Quantized linears are cut the same way: every tensor of a module is [out, ...], so a column split
+cuts dim 0 and a row split cuts dim 1 evenly (weights, packed int4 bytes, group scales/zeros alike;
+ParallelConfig.check_model keeps whole groups); per-output-channel scales are replicated.
 
 Pipeline parallelism: a rank keeps its stage's layers (the others become empty placeholders, so
 names and layer indices stay global), the embedding on the first stage, norm and head on the last.
@@ -28,8 +38,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from baton.common.model import CausalLM
-from baton.common.moe import MoE
+from baton.common.model import MLP, CausalLM, RMSNorm
+from baton.common.moe import GptOssExperts, GptOssMoE, MoE
 from baton.serve.parallel.comm import all_gather, all_reduce
 from baton.serve.parallel.config import stage_layers
 from baton.serve.quantization.linear import FORMATS, QuantLinear
@@ -109,6 +119,45 @@ class ExpertParallelMoE(MoE):
         return self.local_experts
 
 
+class ExpertParallelGptOssMoE(ExpertParallelMoE, GptOssMoE):
+    """gpt-oss's block with a rank's share of the experts (LocalGptOssExperts)."""
+
+
+class LocalGptOssExperts(GptOssExperts):
+    """Experts [first, first + n) of gpt-oss's stacked tensors: the routing still counts all
+    `total` of them (global expert ids), the compute indexes the local stack."""
+
+    first: int
+    total: int
+
+    def __len__(self) -> int:
+        return self.total
+
+    def grouped(self, xs: torch.Tensor, counts: list[int], experts: range) -> torch.Tensor:
+        return super().grouped(xs, counts, range(experts.start - self.first, experts.stop - self.first))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return super().expert(e - self.first, x)
+
+
+class TensorParallelRMSNorm(RMSNorm):
+    """OLMo 2's q/k RMSNorm over the whole projection, on a rank that holds some of the heads: its
+    slice of the weight, the mean of squares over `width` channels (the local ones x the ranks),
+    their sum all-reduced over the tensor-parallel group."""
+
+    def __init__(self, norm: RMSNorm, local: int, width: int, group):
+        super().__init__(local, norm.eps, norm.offset)
+        self.weight = nn.Parameter(torch.empty(local, device="meta", dtype=norm.weight.dtype))
+        self.width, self.group = width, group
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        assert residual is None, "a q/k norm has no residual"
+        xf = x.float()
+        squares = all_reduce(xf.pow(2).sum(-1, keepdim=True), self.group)
+        out = xf * torch.rsqrt(squares / self.width + self.eps) * (self.offset + self.weight.float())
+        return out.to(x.dtype)
+
+
 def _local_linear(mod: nn.Module, in_features: int, out_features: int, bias: bool) -> nn.Module:
     """A meta module of `mod`'s kind (float or the same quantized format) at local size."""
     with torch.device("meta"):
@@ -135,6 +184,14 @@ class _Cutter:
     def replace(self, name: str, new: nn.Module) -> None:
         parent, _, child = name.rpartition(".")
         setattr(self.model.get_submodule(parent), child, new)
+
+    def tensor(self, owner: nn.Module, attr: str, name: str, spec: Slice) -> None:
+        """Parameter `attr` of `owner` (checkpoint name `name`) becomes this rank's `spec` of it."""
+        full = getattr(owner, attr)
+        shape = list(full.shape)
+        shape[spec.dim] = spec.size
+        setattr(owner, attr, nn.Parameter(torch.empty(shape, device="meta", dtype=full.dtype)))
+        self.specs[name] = spec
 
     def column(self, name: str, start: int, stop: int) -> None:
         """Output rows [start, stop) of linear `name`: every tensor is cut along dim 0."""
@@ -197,32 +254,48 @@ def shard_model(model: CausalLM, shard: Shard, group=None) -> dict[str, Slice]:
         inner.norm, model.lm_head = None, None
     if tp == 1:
         return cut.specs
-    d, hq, kv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    for i in mine:
+        _shard_attention(cut, f"model.layers.{i}.self_attn", inner.layers[i].self_attn)
+        layer, p = inner.layers[i], f"model.layers.{i}.{inner.layers[i].ffn_name}"
+        if isinstance(layer.ffn, MoE):
+            _shard_moe(cut, p, layer.ffn, shard)
+        else:
+            assert isinstance(layer.ffn, MLP), type(layer.ffn)
+            cols = layer.ffn.gate_proj.out_features // tp
+            for proj in ("gate_proj", "up_proj"):
+                cut.column(f"{p}.{proj}", r * cols, (r + 1) * cols)
+            cut.row(f"{p}.down_proj")
+    return cut.specs
+
+
+def _shard_attention(cut: _Cutter, p: str, attn: nn.Module) -> None:
+    """Whole heads per rank: q/k/v column-parallel (GQA by KV head, replicated when there are fewer
+    KV heads than ranks), o row-parallel; OLMo 2's full-width q/k norms and the sinks with the heads."""
+    tp, r = cut.shard.tp_size, cut.shard.tp_rank
+    d, hq, kv = attn.head_dim, attn.num_heads, attn.num_kv_heads
     q_heads = hq // tp
     kv_local, kv_first = (kv // tp, r * kv // tp) if kv >= tp else (1, r // (tp // kv))
-    for i in mine:
-        p = f"model.layers.{i}"
-        cut.column(f"{p}.self_attn.q_proj", r * q_heads * d, (r + 1) * q_heads * d)
-        for proj in ("k_proj", "v_proj"):
-            cut.column(f"{p}.self_attn.{proj}", kv_first * d, (kv_first + kv_local) * d)
-        cut.row(f"{p}.self_attn.o_proj")
-        attn = inner.layers[i].self_attn
-        attn.num_heads, attn.num_kv_heads = q_heads, kv_local
-        layer = inner.layers[i]
-        if hasattr(layer, "block_sparse_moe"):
-            _shard_moe(cut, f"{p}.block_sparse_moe", layer.block_sparse_moe, shard)
-        else:
-            cols = cfg.intermediate_size // tp
-            for proj in ("gate_proj", "up_proj"):
-                cut.column(f"{p}.mlp.{proj}", r * cols, (r + 1) * cols)
-            cut.row(f"{p}.mlp.down_proj")
-    return cut.specs
+    q_rows, kv_rows = (r * q_heads * d, (r + 1) * q_heads * d), (kv_first * d, (kv_first + kv_local) * d)
+    cut.column(f"{p}.q_proj", *q_rows)
+    for proj in ("k_proj", "v_proj"):
+        cut.column(f"{p}.{proj}", *kv_rows)
+    cut.row(f"{p}.o_proj")
+    if attn.qk_norm == "full":
+        for norm, (start, stop) in (("q_norm", q_rows), ("k_norm", kv_rows)):
+            local = TensorParallelRMSNorm(getattr(attn, norm), stop - start, (stop - start) * tp, cut.group)
+            setattr(attn, norm, local)
+            cut.specs[f"{p}.{norm}.weight"] = Slice(0, start, stop, stop - start)
+    if attn.sinks is not None:
+        cut.tensor(attn, "sinks", f"{p}.sinks", Slice(0, r * q_heads, (r + 1) * q_heads, q_heads))
+    attn.num_heads, attn.num_kv_heads = q_heads, kv_local
 
 
 def _shard_moe(cut: _Cutter, name: str, moe: MoE, shard: Shard) -> None:
     tp, r = shard.tp_size, shard.tp_rank
-    experts = len(moe.experts)
-    if shard.moe_parallel == "expert":
+    experts = moe.num_experts
+    if isinstance(moe.experts, GptOssExperts):
+        _shard_stacked_experts(cut, f"{name}.experts", moe, shard)
+    elif shard.moe_parallel == "expert":
         per = experts // tp
         moe.__class__ = ExpertParallelMoE
         moe.local_experts = range(r * per, (r + 1) * per)
@@ -230,9 +303,32 @@ def _shard_moe(cut: _Cutter, name: str, moe: MoE, shard: Shard) -> None:
             if e not in moe.local_experts:
                 moe.experts[e] = Placeholder()
     else:
-        cols = moe.experts[0].w1.out_features // tp
+        gate, up, down = getattr(moe.experts[0], "names", ("w1", "w3", "w2"))
+        cols = getattr(moe.experts[0], gate).out_features // tp
         for e in range(experts):
-            for w in ("w1", "w3"):
+            for w in (gate, up):
                 cut.column(f"{name}.experts.{e}.{w}", r * cols, (r + 1) * cols)
-            cut.row(f"{name}.experts.{e}.w2", reduce=False)
+            cut.row(f"{name}.experts.{e}.{down}", reduce=False)
     moe.register_forward_hook(_all_reduce_output(cut.group))
+
+
+def _shard_stacked_experts(cut: _Cutter, name: str, moe: MoE, shard: Shard) -> None:
+    """gpt-oss's stacked experts: whole experts per rank (dim 0 of every tensor), or every expert's
+    intermediate width cut (gate_up's columns keep their gate/up pairs: 2I/T is even)."""
+    tp, r, ex = shard.tp_size, shard.tp_rank, moe.experts
+    experts, inter = ex.gate_up_proj.shape[0], ex.down_proj.shape[1]
+    if shard.moe_parallel == "expert":
+        per = experts // tp
+        spec = Slice(0, r * per, (r + 1) * per, per)
+        for t in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            cut.tensor(ex, t, f"{name}.{t}", spec)
+        moe.__class__, ex.__class__ = ExpertParallelGptOssMoE, LocalGptOssExperts
+        moe.local_experts, ex.first, ex.total = range(r * per, (r + 1) * per), r * per, experts
+        return
+    n = inter // tp
+    cut.tensor(ex, "gate_up_proj", f"{name}.gate_up_proj", Slice(2, 2 * r * n, 2 * (r + 1) * n, 2 * n))
+    cut.tensor(ex, "gate_up_proj_bias", f"{name}.gate_up_proj_bias", Slice(1, 2 * r * n, 2 * (r + 1) * n, 2 * n))
+    cut.tensor(ex, "down_proj", f"{name}.down_proj", Slice(1, r * n, (r + 1) * n, n))
+    # Row-parallel: the output bias is added once, by rank 0; the others read an empty slice, zero-padded.
+    bias = Slice(0, 0, 0, experts) if r else Slice(0, 0, experts, experts)
+    cut.tensor(ex, "down_proj_bias", f"{name}.down_proj_bias", bias)

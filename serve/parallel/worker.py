@@ -97,10 +97,11 @@ class Topology:
     tp_group: object = None
     cpu_group: object = None
     stats: dict = field(default_factory=dict)
+    moe_parallel: str = "tensor"  # the MoE split this model uses (ParallelConfig.moe_mode), set by build_runner
 
     @property
     def shard(self) -> Shard:
-        return Shard(self.rank % self.tp, self.tp, self.rank // self.tp, self.pp)
+        return Shard(self.rank % self.tp, self.tp, self.rank // self.tp, self.pp, self.moe_parallel)
 
     @property
     def last_rank(self) -> int:  # the last stage's first tensor rank: it sends logits to the driver
@@ -159,8 +160,8 @@ def build_runner(setup: Setup, topo: Topology) -> ModelRunner:
     torch.set_num_threads(setup.threads)
     device = _device(setup.device_type, topo.local_rank)
     dtype = getattr(torch, setup.dtype) if setup.dtype else None
-    moe = setup.parallel.moe_mode(read_config(setup.model_dir))
-    shard = Shard(topo.shard.tp_rank, topo.tp, topo.shard.pp_rank, topo.pp, moe)
+    topo.moe_parallel = setup.parallel.moe_mode(read_config(setup.model_dir))
+    shard = topo.shard
     comm = _tp_comm(setup, topo, device)
     model = load_shard(setup.model_dir, shard, device, dtype, comm)
     cfg = model.config

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
-
 from baton.common.data import DataConfig, build_datasets
-from baton.common.model import CausalLM, DenseCausalAttention, DecoderLayer
+from baton.common.model import CausalLM, DecoderLayer, DenseCausalAttention
 from baton.common.rope import rotary_cos_sin
 from baton.common.tokenizer import Tokenizer
+from torch import nn
 
 
 class CalibrationError(ValueError):
@@ -76,7 +75,7 @@ class LayerRunner:
         tokens = tokens.to(p.device)
         self.batch_size = batch_size
         with torch.no_grad():
-            self.x = model.model.embed_tokens(tokens)
+            self.x = model.model.embed(tokens)  # (Gemma scales its embeddings)
         positions = torch.arange(tokens.shape[1], device=p.device).expand(min(batch_size, len(tokens)), -1)
         self.cos, self.sin = rotary_cos_sin(model.model.inv_freq.to(p.device), positions, p.dtype)
 

@@ -12,12 +12,10 @@ channels and the kernels' format needs no g_idx.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from baton.common.model import DecoderLayer
 from baton.serve.quantization.calibration import LayerRunner, on_inputs
 from baton.serve.quantization.config import QuantConfig
-from baton.serve.quantization.linear import set_module
+from baton.serve.quantization.linear import quantizable_linears, set_module
 from baton.serve.quantization.rtn import (
     int4_module,
     int4_params,
@@ -110,7 +108,7 @@ def gptq_quantize(
 
 def gptq_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfig) -> None:
     """Accumulate every linear's Hessian over the calibration set, then quantize each in place."""
-    linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear) and not n.endswith("moe.gate")}
+    linears = quantizable_linears(layer)
     acc = {n: HessianAccumulator(m.in_features, m.weight.device) for n, m in linears.items()}
     with on_inputs(linears, lambda name, x: acc[name].add(x)):
         runner.run(layer)

@@ -12,11 +12,11 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from baton.common.model import CausalLM
+from baton.common.moe import MoE
 from baton.kernels import fp8_weight_matmul, int4_weight_matmul, int8_weight_matmul, quantize_per_token, w8a8_matmul
 from baton.kernels.reference import dequantize_int4
+from torch import nn
 
 
 class QuantLinear(nn.Module):
@@ -144,13 +144,28 @@ def quantized_like(linear: nn.Linear, fmt: str, group_size: int = 128, **tensors
     return mod.to(linear.weight.device)
 
 
+def routers(module: nn.Module) -> set[int]:
+    """ids of the MoE routers in `module` (Mixtral's and Qwen3-MoE's `gate`, gpt-oss's `router`)."""
+    found = set()
+    for m in module.modules():
+        if isinstance(m, MoE):
+            router = getattr(m, "router", None) or getattr(m, "gate", None)
+            if router is not None:
+                found.add(id(router))
+    return found
+
+
+def quantizable_linears(module: nn.Module) -> dict[str, nn.Linear]:
+    """The projections under `module` (names relative to it) that are quantized: every nn.Linear but
+    the MoE routers, which stay float (tiny, and they steer the routing). Norms, gpt-oss's sinks and its
+    stacked experts (parameters, not linears: see quantize.py) are not linears and stay float too."""
+    skip = routers(module)
+    return {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear) and id(m) not in skip}
+
+
 def target_linears(model: CausalLM) -> dict[str, nn.Linear]:
-    """The decoder layers' projections; the MoE router stays float (it is tiny and steers routing)."""
-    return {
-        f"model.layers.{name}": m
-        for name, m in model.model.layers.named_modules()
-        if isinstance(m, nn.Linear) and not name.endswith("block_sparse_moe.gate")
-    }
+    """The decoder layers' quantized projections (quantizable_linears), by their model names."""
+    return {f"model.layers.{name}": m for name, m in quantizable_linears(model.model.layers).items()}
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from baton.common.checkpoint import CheckpointError, HandoffMetadata, load_checkpoint, read_config, save_model
-from baton.common.model import CausalLM
+from baton.common.model import MLP, CausalLM
 from baton.common.tokenizer import Tokenizer
 from baton.serve.quantization.calibration import CalibrationConfig, calibration_tokens
 from baton.serve.quantization.loader import quantization_config
@@ -52,8 +51,8 @@ def num_removed(fraction: float, total: int, what: str) -> int:
 
 def importance(model: CausalLM, tokens: torch.Tensor, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """(head-group scores [layers, kv_heads], channel scores [layers, intermediate]), higher = keep."""
-    if any(not hasattr(layer, "mlp") for layer in model.model.layers):
-        raise ValueError("structured pruning supports dense (non-MoE) models")
+    if any(not isinstance(getattr(layer, "ffn", None), MLP) for layer in model.model.layers):
+        raise ValueError("structured pruning supports dense (non-MoE, non-hybrid) models")
     model.zero_grad(set_to_none=True)
     with torch.enable_grad():
         for batch in tokens.split(batch_size):
@@ -118,6 +117,12 @@ def prune_model(model: CausalLM, pcfg: PruneConfig, tokens: torch.Tensor) -> Cau
                 key = f"{p}{name}.{suffix}"
                 if key in state and not (suffix == "bias" and dim == 1):  # o_proj's bias is per output
                     state[key] = state[key].index_select(dim, rows).contiguous()
+        # OLMo 2's q/k norms over the whole projection lose the pruned heads' channels too (per-head
+        # norms, Qwen3's and Gemma 3's, are one head_dim vector shared by the heads: kept whole).
+        if cfg.qk_norm == "full":
+            for name, rows in (("q_norm", q_rows), ("k_norm", kv_rows)):
+                key = f"{p}self_attn.{name}.weight"
+                state[key] = state[key].index_select(0, rows).contiguous()
     pruned = CausalLM(new_cfg)
     pruned.load_state_dict(state, strict=not new_cfg.tie_word_embeddings)
     return pruned.to(device=next(model.parameters()).device, dtype=next(model.parameters()).dtype)

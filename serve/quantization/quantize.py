@@ -8,9 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import CheckpointError, load_checkpoint, read_config
 from baton.common.model import CausalLM
+from baton.common.moe import GptOssExperts
 from baton.common.tokenizer import Tokenizer
 from baton.serve.quantization.awq import awq_layer
 from baton.serve.quantization.calibration import (
@@ -35,12 +35,31 @@ def is_quantized(model: CausalLM) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
+def log_float_experts(model: CausalLM) -> int:
+    """gpt-oss's experts are stacked [E, H, 2I] / [E, I, H] tensors with biases, not linear layers: the
+    quantized kernels take one [out, in] matrix per module, so they stay in float (its attention is
+    quantized, its routers and sinks stay float like every model's). Says so; returns the parameter count."""
+    stacked = [m for m in model.modules() if isinstance(m, GptOssExperts)]
+    count = sum(p.numel() for m in stacked for p in m.parameters())
+    if stacked:
+        total = sum(p.numel() for p in model.parameters())
+        log.warning(
+            "gpt-oss's stacked experts (%d layers, %.0f%% of the parameters) stay in %s: they are not linear "
+            "layers the quantized formats hold; the attention projections are quantized",
+            len(stacked),
+            100 * count / max(total, 1),
+            next(stacked[0].parameters()).dtype,
+        )
+    return count
+
+
 @torch.no_grad()
 def quantize_model(model: CausalLM, qcfg: QuantConfig, tokens: torch.Tensor | None = None) -> CausalLM:
     """Quantize `model` (fp32 weights recommended) per `qcfg`; `tokens` [samples, seq_len] are the
     calibration set for the methods that need one. Returns the same model object."""
     if is_quantized(model):
         raise ValueError("the model is already quantized; quantize its float checkpoint instead")
+    log_float_experts(model)
     if not qcfg.needs_calibration:
         for name, lin in target_linears(model).items():
             set_module(model, name, rtn_linear(lin, qcfg.format, qcfg.group_size))
@@ -72,7 +91,7 @@ def quantize_checkpoint(
             "quantize its float checkpoint instead"
         )
     if qcfg.method in ("awq", "smoothquant") and read_config(src).num_local_experts > 0:
-        raise ValueError(f"{qcfg.method} supports dense (non-MoE) models; use gptq or rtn for Mixtral")
+        raise ValueError(f"{qcfg.method} supports dense (non-MoE) models; use gptq or rtn for MoE models")
     tokenizer = None
     if qcfg.needs_calibration:
         calib = calib or CalibrationConfig()

@@ -29,6 +29,8 @@ gradient are then the same on all tp ranks, as one process would compute them.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from baton.common.moe import MoE
@@ -36,7 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-EXPERT_KEY = ".block_sparse_moe.experts."  # in the name of every expert parameter
+# In the name of every expert parameter: Mixtral's block_sparse_moe.experts.<e>., Qwen3-MoE's mlp.experts.<e>.
+EXPERT_KEY = re.compile(r"\.(block_sparse_moe|mlp)\.experts\.\d+\.")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -110,6 +113,8 @@ def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
     route through all-to-all over `ep_mesh` (1-D)."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for moe in moe_layers(module):
+        if not isinstance(moe.experts, nn.ModuleList):  # (check_layout refuses it first)
+            raise ValueError(f"expert parallelism deals out expert modules; {type(moe.experts).__name__} stacks them")
         per = len(moe.experts) // ep
         moe.__class__ = ExpertParallelMoE
         moe.ep_group, moe.ep_size = ep_mesh.get_group(), ep
@@ -136,4 +141,4 @@ def shard_experts(
 
 
 def is_expert_parameter(name: str) -> bool:
-    return EXPERT_KEY in name
+    return EXPERT_KEY.search(name) is not None

@@ -111,8 +111,9 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
             f"num_key_value_heads {model.num_key_value_heads} is not divisible by tp={tp} (GQA key/value heads "
             "are split across tensor-parallel ranks, not replicated)",
         )
+        dense = any(not model.is_moe_layer(i) for i in range(model.num_hidden_layers))  # (experts are not split)
         need(
-            model.num_local_experts > 0 or model.intermediate_size % tp == 0,  # (experts are not split)
+            not dense or model.intermediate_size % tp == 0,
             f"intermediate_size {model.intermediate_size} is not divisible by tp={tp}",
         )
         need(
@@ -160,6 +161,10 @@ def check_layout(par: ParallelConfig, model: ModelConfig, world_size: int, micro
             f"{2 * par.cp} (zigzag load balancing gives each rank two chunks)",
         )
         need(model.sliding_window is None, "context parallelism with sliding-window attention is not supported")
+        need(
+            not model.attention_sinks and not model.attn_logit_softcapping,
+            "context parallelism (ring attention) has no attention sinks (gpt-oss) or soft-capped scores (Gemma 2)",
+        )
     return Layout3D(
         dp,
         par.pp,
@@ -199,6 +204,11 @@ def _check_ep(need, par: ParallelConfig, model: ModelConfig, dp: int) -> None:
         "ep > 1 needs dp_mode fsdp (the experts are FSDP2 units over their expert-data-parallel group)",
     )
     need(par.cp == 1, "ep > 1 with context parallelism is not supported (use cp=1)")
+    need(
+        model.model_type != "gpt_oss",
+        "ep > 1 with gpt-oss: its experts are stacked tensors ([E, H, 2I]), not one module per expert to deal "
+        "out; use ep=1 (they are FSDP-sharded with their layer, and replicated over tp)",
+    )
 
 
 def data_parallel_size(par: ParallelConfig, world_size: int) -> int:

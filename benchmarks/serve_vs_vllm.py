@@ -64,6 +64,21 @@ MODELS = {  # vocab 8192, untied LM head
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
     },
+    # Qwen3-30B-A3B's shape scaled to two cores: 64 fine-grained experts, top-8, expert width 3/8 of
+    # hidden (30B-A3B: 128 experts of 768 at hidden 2048), per-head q/k norms; ~0.12B parameters, 30M active.
+    "qwen3moe": {
+        "family": "qwen3_moe",
+        "hidden_size": 512,
+        "intermediate_size": 192,
+        "moe_intermediate_size": 192,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+    },
     "tiny": {
         "hidden_size": 128,
         "intermediate_size": 352,
@@ -242,14 +257,16 @@ def baseline_source(rev: str) -> str:
 
 def write_checkpoint(directory: Path, name: str, dtype: str) -> Path:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     path = directory / f"{name}-{dtype}"
     if (path / "config.json").exists():
         return path
-    cfg = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=MAX_LEN, tie_word_embeddings=False, **MODELS[name])
+    fields = dict(MODELS[name])
+    config_cls = {"llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}[fields.pop("family", "llama")]
+    cfg = config_cls(vocab_size=VOCAB, max_position_embeddings=MAX_LEN, tie_word_embeddings=False, **fields)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
+    model = AutoModelForCausalLM.from_config(cfg).to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[dtype]))
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -258,8 +275,9 @@ def matmul_params(name: str) -> int:
     """Weights multiplied per generated token (decoder linears + LM head)."""
     m = MODELS[name]
     h, i, n = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"]
-    d = h // m["num_attention_heads"]
-    per_layer = 2 * h * h + 2 * h * m["num_key_value_heads"] * d + 3 * h * i
+    d = m.get("head_dim") or h // m["num_attention_heads"]
+    experts = m.get("num_experts_per_tok", 1) if "num_experts" in m else 1  # an MoE multiplies its top-k experts
+    per_layer = 2 * h * m["num_attention_heads"] * d + 2 * h * m["num_key_value_heads"] * d + 3 * h * i * experts
     return n * per_layer + h * VOCAB
 
 

@@ -14,6 +14,9 @@ pre-norms into linear_qkv.layer_norm_weight / linear_fc1.layer_norm_weight):
   TP; with tied embeddings the last PP stage holds a copy of the embedding as output_layer.weight.
 - Every (pipeline stage, virtual stage) chunk numbers its layers from 0; chunk (p, v) holds global
   layers starting at v * L/vp + p * L/(pp*vp) (megatron's interleaved assignment).
+- Qwen3's per-head q/k RMSNorms are megatron's qk_layernorm (self_attention.q_layernorm /
+  k_layernorm, [head_dim], replicated over TP, applied before the rope as Qwen3 does). What else the
+  2025-26 families add (megatron_gaps) GPTModel cannot express: they are refused, naming the family.
 """
 
 from __future__ import annotations
@@ -48,6 +51,38 @@ def layer_range(num_layers: int, pp_size: int = 1, pp_rank: int = 0, vp_size: in
     return range(start, start + per_chunk)
 
 
+# What GPTModel (as Baton builds it: pre-norm RMSNorm layers, a gated MLP) lacks, per ModelConfig feature.
+_GAPS = (
+    (lambda c: c.norm_layout == "sandwich", "sandwich norms (after attention and the MLP as well as before)"),
+    (lambda c: c.norm_layout == "post", "post-norm layers (norms on each block's output, not its input)"),
+    (lambda c: c.qk_norm == "full", "full-width q/k RMSNorms (its qk_layernorm is per head)"),
+    (lambda c: bool(c.norm_weight_offset), "(offset + w) RMSNorm weights"),
+    (lambda c: c.scale_embeddings, "sqrt(hidden_size)-scaled embeddings"),
+    (lambda c: c.hidden_act != "silu", "GeGLU MLP"),
+    (lambda c: c.query_pre_attn_scalar is not None, "query_pre_attn_scalar softmax scale"),
+    (lambda c: c.attn_logit_softcapping is not None, "soft-capped attention scores"),
+    (lambda c: c.final_logit_softcapping is not None, "soft-capped final logits"),
+    (lambda c: c.attention_sinks, "attention sinks"),
+    (lambda c: c.sliding_rope_theta is not None, "second rope for the sliding layers"),
+    (lambda c: c.swiglu_alpha is not None, "clamped-SwiGLU experts with biases"),
+)
+
+
+def megatron_gaps(cfg: ModelConfig) -> list[str]:
+    """The features of `cfg` that megatron-core's GPTModel, as Baton lays it out, cannot hold."""
+    return [what for has, what in _GAPS if has(cfg)]
+
+
+def check_family(cfg: ModelConfig, need) -> None:
+    """Refuse a family GPTModel cannot express, naming it and what is missing."""
+    gaps = megatron_gaps(cfg)
+    need(
+        not gaps,
+        f"model_type {cfg.model_type!r}: megatron-core's GPTModel has no {', no '.join(gaps)} "
+        "(train it with backend torch, torch3d or deepspeed)",
+    )
+
+
 def check_layout(cfg: ModelConfig, tp_size: int, pp_size: int = 1, vp_size: int = 1) -> None:
     """Refuse what megatron-core's GPTModel cannot hold, before any tensor is touched."""
 
@@ -56,6 +91,7 @@ def check_layout(cfg: ModelConfig, tp_size: int, pp_size: int = 1, vp_size: int 
             raise ConfigError(f"megatron layout: {msg}")
 
     need(tp_size >= 1 and pp_size >= 1 and vp_size >= 1, "tp, pp and vp sizes must be >= 1")
+    check_family(cfg, need)
     need(cfg.num_local_experts == 0, "MoE (num_local_experts > 0) is not supported by this converter")
     need(
         not cfg.attention_bias,
@@ -74,14 +110,19 @@ def check_layout(cfg: ModelConfig, tp_size: int, pp_size: int = 1, vp_size: int 
     layer_range(cfg.num_hidden_layers, pp_size, 0, vp_size, 0)
 
 
-def _names(spec: str) -> dict[str, str]:
+def _names(spec: str, cfg: ModelConfig) -> dict[str, str]:
+    """Baton's -> megatron's names of a layer's tensors that every TP rank holds whole."""
     if spec not in SPECS:
         raise ConfigError(f"megatron spec must be one of {SPECS}, got {spec!r}")
     te = spec == "te"
-    return {
+    names = {
         "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight",
         "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight",
     }
+    if cfg.qk_norm == "head":  # (the same names in both specs)
+        names["self_attn.q_norm.weight"] = "self_attention.q_layernorm.weight"
+        names["self_attn.k_norm.weight"] = "self_attention.k_layernorm.weight"
+    return names
 
 
 def _fuse_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig) -> Tensor:
@@ -123,7 +164,7 @@ def baton_to_megatron(
     check_layout(cfg, tp_size, pp_size, vp_size)
     if not (0 <= tp_rank < tp_size and 0 <= pp_rank < pp_size and 0 <= vp_rank < vp_size):
         raise ConfigError(f"rank (tp {tp_rank}, pp {pp_rank}, vp {vp_rank}) outside the layout")
-    names = _names(spec)
+    names = _names(spec, cfg)
     sd = dict(state_dict)
     out: dict[str, Tensor] = {}
 
@@ -142,7 +183,8 @@ def baton_to_megatron(
     for local, i in enumerate(layer_range(cfg.num_hidden_layers, pp_size, pp_rank, vp_size, vp_rank)):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{local}."
         a = src + "self_attn."
-        out[dst + names["input_layernorm.weight"]] = sd[src + "input_layernorm.weight"]
+        for ours, theirs in names.items():
+            out[dst + theirs] = sd[src + ours]
         out[dst + "self_attention.linear_qkv.weight"] = col(
             _fuse_qkv(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], cfg)
         )
@@ -151,7 +193,6 @@ def baton_to_megatron(
                 _fuse_qkv(sd[a + "q_proj.bias"], sd[a + "k_proj.bias"], sd[a + "v_proj.bias"], cfg)
             )
         out[dst + "self_attention.linear_proj.weight"] = row(sd[a + "o_proj.weight"])
-        out[dst + names["post_attention_layernorm.weight"]] = sd[src + "post_attention_layernorm.weight"]
         gate, up = sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]
         out[dst + "mlp.linear_fc1.weight"] = torch.cat([col(gate), col(up)])
         out[dst + "mlp.linear_fc2.weight"] = row(sd[src + "mlp.down_proj.weight"])
@@ -185,7 +226,7 @@ def megatron_to_baton(
     if missing or len(chunks) != tp_size * pp_size * vp_size:
         raise ValueError(f"megatron shards: missing chunk (tp, pp, vp) = {missing[0] if missing else '?'}")
     check_layout(cfg, tp_size, pp_size, vp_size)
-    names = {v: k for k, v in _names(spec).items()}
+    names = {v: k for k, v in _names(spec, cfg).items()}
 
     used: set[tuple[int, int, str]] = set()
 

@@ -10,8 +10,9 @@
 - eager: scores, mask, softmax and ·V materialised (EagerAttention): the unfused core
   Megatron's activation formula assumes; the one core selective recomputation pays off with.
 
-All three are `AttentionBackend`s (common.model) with the same numbers up to rounding; context
-parallelism replaces the core with its ring attention, so it takes only the default.
+All three are `AttentionBackend`s (common.model) with the same numbers up to rounding, Gemma 2's
+soft-capped scores and gpt-oss's attention sinks included; context parallelism replaces the core
+with its ring attention, so it takes only the default (and only models without those two).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 from baton.common.model import AttentionBackend, DenseCausalAttention
+from baton.kernels.attention_torch import attention_math
 from baton.kernels.flash_attention import flash_attn_varlen_triton
 
 ATTENTION_BACKENDS = ("sdpa", "triton", "eager")
@@ -43,8 +45,24 @@ class TritonFlashAttention:
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
         q, k, v = (t.to(dtype).reshape(b * s, t.shape[2], d) for t in (q, k, v))
         cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device=q.device)
+        # Soft-capping (Gemma 2) and sinks (gpt-oss) run in the kernel, the sinks' gradient included.
+        extra: dict[str, Any] = {}
+        if getattr(layer, "logit_softcap", None):
+            extra["softcap"] = layer.logit_softcap
+        if getattr(layer, "sinks", None) is not None:
+            extra["sinks"] = layer.sinks
         out = flash_attn_varlen_triton(
-            q, k, v, cu, cu, s, s, causal=True, sliding_window=layer.sliding_window, softmax_scale=layer.scaling
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            s,
+            s,
+            causal=True,
+            sliding_window=layer.sliding_window,
+            softmax_scale=layer.scaling,
+            **extra,
         )
         return out.view(b, s, hq, d)
 
@@ -56,14 +74,17 @@ class EagerAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any) -> torch.Tensor:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, D]
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         s = q.shape[2]
         i = torch.arange(s, device=q.device)
         dist = i[:, None] - i[None, :]
         allowed = dist >= 0
         if layer.sliding_window is not None:
             allowed &= dist < layer.sliding_window
+        sinks, cap = getattr(layer, "sinks", None), getattr(layer, "logit_softcap", None)
+        if sinks is not None or cap:  # Gemma 2's soft-capped scores, gpt-oss's sinks: the model's own math
+            return attention_math(q, k, v, layer.scaling, allowed, sinks, cap or 0.0).transpose(1, 2)
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = (q @ k.transpose(-1, -2)) * layer.scaling
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
         return (probs @ v).transpose(1, 2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from baton.common.config import ModelConfig
+from baton.common.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,18 @@ def table_peak(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 def active_parameters(cfg: ModelConfig) -> int:
-    """Parameters one token runs through: a MoE layer's top-k experts, not all of them."""
-    unused = cfg.num_local_experts - cfg.num_experts_per_tok if cfg.num_local_experts else 0
-    return cfg.num_parameters() - cfg.num_hidden_layers * unused * 3 * cfg.hidden_size * cfg.intermediate_size
+    """Parameters one token runs through: a MoE layer's top-k experts, not all of them. Counted on
+    the model itself, built on the meta device (no memory), so every family's shapes are exact:
+    Qwen3-MoE's expert width and dense layers, gpt-oss's stacked experts, q/k norms, sinks."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    shared = experts = 0
+    for name, p in model.named_parameters():  # (a tied head counted once)
+        if ".experts." in name:
+            experts += p.numel()
+        else:
+            shared += p.numel()
+    return shared + (experts * cfg.num_experts_per_tok // cfg.num_local_experts if experts else 0)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

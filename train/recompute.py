@@ -9,9 +9,11 @@ Selective recomputation exists for the s x s scores and softmax of an unfused co
 eager`). A fused core (sdpa, triton) never materialises them: checkpointing it would free only its
 output copy and cost a second flash forward. So with a fused core, selective mode says so at
 start-up and recomputes the other cheap, memory-heavy pieces Megatron-Core's selective mode can
-target instead (its `layernorm` and activation modules): the two RMSNorms of every layer and the
-SwiGLU activation of every MLP and expert - elementwise work whose intermediates (x·rstd,
-silu(gate): [b, s, h] and [b, s, intermediate] per layer) are freed and recomputed for a few FLOPs.
+target instead (its `layernorm` and activation modules): every RMSNorm of every layer (two, or
+four in Gemma's sandwich layout, and the q/k norms of Qwen3, Gemma 3 and OLMo 2) and the gated
+activation of every MLP and expert (SwiGLU, Gemma's GeGLU, gpt-oss's clamped SwiGLU) - elementwise
+work whose intermediates (x·rstd, act(gate): [b, s, h] and [b, s, intermediate] per layer) are freed
+and recomputed for a few FLOPs.
 
 All use non-reentrant torch.utils.checkpoint, so gradients are the same as without recomputation
 and parameter names (hence checkpoints) do not change.
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 from baton.common.model import MLP, AttentionBackend, CausalLM, RMSNorm
-from baton.common.moe import Expert
+from baton.common.moe import Expert, GptOssExperts, Qwen3Expert
 from baton.kernels import swiglu
 from baton.train.attention import FUSED, EagerAttention, attention_core  # noqa: F401 (EagerAttention: callers import it here)
 from baton.train.config import RecomputeConfig
@@ -59,24 +61,46 @@ class _RecomputedNorm(RMSNorm):
 
 
 class _RecomputedMLP(MLP):
-    """MLP.forward with the activation checkpointed (silu(gate) is not kept for the backward)."""
+    """MLP.forward with the gated activation checkpointed (act(gate) is not kept for the backward):
+    SwiGLU or Gemma's GeGLU, whichever the MLP computes."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(checkpoint(swiglu, self.gate_proj(x), self.up_proj(x), use_reentrant=False))
+        return self.down_proj(checkpoint(self.gated, self.gate_proj(x), self.up_proj(x), use_reentrant=False))
 
 
 class _RecomputedExpert(Expert):
-    """Expert.forward with the activation checkpointed."""
+    """Expert.forward (Mixtral's w1/w3/w2) with the activation checkpointed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(checkpoint(swiglu, self.w1(x), self.w3(x), use_reentrant=False))
 
 
-RECOMPUTED = {RMSNorm: _RecomputedNorm, MLP: _RecomputedMLP, Expert: _RecomputedExpert}
+class _RecomputedQwen3Expert(Qwen3Expert):
+    """Qwen3Expert.forward with the activation checkpointed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(checkpoint(swiglu, gate, up, use_reentrant=False))
+
+
+class _RecomputedGptOssExperts(GptOssExperts):
+    """gpt-oss's stacked experts with the clamped SwiGLU checkpointed (its grouped GEMMs unchanged)."""
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return checkpoint(super().activation, gate_up, use_reentrant=False)
+
+
+RECOMPUTED = {
+    RMSNorm: _RecomputedNorm,
+    MLP: _RecomputedMLP,
+    Expert: _RecomputedExpert,
+    Qwen3Expert: _RecomputedQwen3Expert,
+    GptOssExperts: _RecomputedGptOssExperts,
+}
 
 
 def recompute_elementwise(model: torch.nn.Module) -> None:
-    """Selective recomputation for a fused attention core: every RMSNorm and SwiGLU activation is
+    """Selective recomputation for a fused attention core: every RMSNorm and gated activation is
     recomputed in the backward pass. Each module's class becomes a subclass with that forward (state,
     names and hooks unchanged), so every layer runs the same code and torch.compile makes one graph."""
     for m in model.modules():

@@ -80,6 +80,7 @@ def validate(cfg: TrainConfig, data_parallel_size: int | None = None) -> None:
     _check_precision(cfg, need)
     _check_compute(cfg, need)
     _check_backend(cfg, need, data_parallel_size)
+    _check_attention_features(cfg, need)
     _check_parallel(cfg, need)
     _check_megatron(cfg, need)
     _check_moe(cfg, need)
@@ -286,6 +287,20 @@ def _check_parallel(cfg: TrainConfig, need) -> None:
         max(1, accum),
         cfg.data.seq_len,
     )
+
+
+def _check_attention_features(cfg: TrainConfig, need) -> None:
+    """Gemma 2's soft-capped scores and gpt-oss's sinks: every attention core has them but context
+    parallelism's ring attention, whose blockwise online softmax has neither."""
+    if cfg.backend != "torch3d" or cfg.parallel.cp == 1:
+        return
+    mc = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024))
+    for has, what in ((mc.attention_sinks, "attention sinks"), (mc.attn_logit_softcapping, "soft-capped scores")):
+        need(
+            not has,
+            f"parallel.cp {cfg.parallel.cp} with model_type {mc.model_type!r}: context parallelism's ring attention "
+            f"has no {what}; use parallel.cp 1 (shard with dp, tp or pp instead)",
+        )
 
 
 def _check_megatron(cfg: TrainConfig, need) -> None:

@@ -63,7 +63,8 @@ def spec_kind() -> str:
 
 def transformer_config(mc: ModelConfig, m: MegatronLayout, precision: str):
     """megatron's TransformerConfig for Baton's architecture: RMSNorm, SwiGLU as a gated linear
-    unit, GQA through query groups, q/k/v biases only where the model has them, no dropout."""
+    unit, GQA through query groups, q/k/v biases only where the model has them, Qwen3's per-head
+    q/k RMSNorms as qk_layernorm, no dropout."""
     from megatron.core.transformer import TransformerConfig
 
     recompute: dict[str, Any] = {}
@@ -85,6 +86,7 @@ def transformer_config(mc: ModelConfig, m: MegatronLayout, precision: str):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=mc.qkv_bias,
+        qk_layernorm=mc.qk_norm == "head",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=mc.initializer_range,
@@ -114,10 +116,11 @@ def build_chunks(mc: ModelConfig, tcfg, m: MegatronLayout) -> list:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
+    qk = mc.qk_norm == "head"
     if spec_kind() == "te":
-        layer = specs.get_gpt_layer_with_transformer_engine_spec()
+        layer = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
     else:
-        layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer = specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk)
     chunks = []
     for v in range(m.vp):
         chunk = GPTModel(
@@ -160,6 +163,9 @@ def check_model(mc: ModelConfig, m: MegatronLayout) -> None:
         if not cond:
             raise ConfigError(f"invalid megatron setup: {msg}")
 
+    from baton.common.megatron_layout import check_family, check_layout
+
+    check_family(mc, need)  # the 2025-26 families' features GPTModel lacks, naming the family
     need(mc.num_local_experts == 0, "MoE models are not supported by backend megatron (use torch3d)")
     need(mc.sliding_window is None, "sliding-window attention is not supported by backend megatron")
     need(mc.rope_scaling is None, "rope_scaling is not supported by backend megatron")
@@ -172,8 +178,6 @@ def check_model(mc: ModelConfig, m: MegatronLayout) -> None:
         f"vocab_size {mc.vocab_size} is not divisible by parallel.tp={m.tp}: pad the vocabulary in the "
         f"recipe (model.vocab_size: a multiple of {m.tp}); megatron's own zero-row padding would change the loss",
     )
-    from baton.common.megatron_layout import check_layout
-
     check_layout(mc, m.tp, m.pp, m.vp)
 
 

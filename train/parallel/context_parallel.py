@@ -136,11 +136,14 @@ class _RingAttention(torch.autograd.Function):
 
 class RingAttention:
     """An attention backend (see baton.common.model.AttentionBackend) for zigzag-sharded
-    sequences; causal, full attention (no sliding window)."""
+    sequences; causal, full attention (no sliding window, sinks or soft-capping)."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any) -> torch.Tensor:
+        if getattr(layer, "sinks", None) is not None or getattr(layer, "logit_softcap", None):
+            # (the recipe checks refuse these models with parallel.cp > 1 before any work)
+            raise NotImplementedError("ring attention has no attention sinks or soft-capped scores")
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         return _RingAttention.apply(q, k, v, layer.scaling, self.group).transpose(1, 2)

@@ -65,7 +65,8 @@ def stage_costs(cfg: ModelConfig) -> tuple[float, float]:
     """(cost of one decoder layer, cost of the LM head), proportional to matmul FLOPs per token."""
     h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     experts = cfg.num_experts_per_tok if cfg.num_local_experts else 1  # MoE: top-k experts per token
-    layer = h * (2 * q + 2 * kv) + 3 * h * cfg.intermediate_size * experts
+    width = cfg.expert_intermediate_size if cfg.num_local_experts else cfg.intermediate_size  # (Qwen3-MoE's own)
+    layer = h * (2 * q + 2 * kv) + 3 * h * width * experts
     return 1.0, h * cfg.vocab_size / layer
 
 

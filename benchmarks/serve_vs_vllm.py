@@ -336,9 +336,9 @@ def run_side(side: str, python: str, job: dict, tmp: Path, env: dict) -> dict:
 def hf_greedy(model_dir: Path, work: list) -> list[list[int]]:
     """HF transformers' greedy decoding of each request (the independent reference)."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     outs = []
     with torch.no_grad():  # a plain loop: generate()'s EOS handling would bend the argmax
         for prompt, n in work:

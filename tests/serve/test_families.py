@@ -9,15 +9,21 @@ budget, and forced preemption by recompute and by swap.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
+from baton.common.checkpoint import load_checkpoint, save_model
 from baton.common.hf import import_hf
+from baton.common.tokenizer import train_bpe
+from baton.serve.core.structured import StructuredOutputs
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.scheduler import SchedulerConfig
+from baton.serve.speculative import SpeculativeConfig
 
-from .conftest import run_staggered
+from .conftest import TEXT, run_staggered
 
 BASE = dict(
     vocab_size=301,
@@ -102,7 +108,9 @@ MODES = {
     "prefix-cache": EngineConfig(num_kv_blocks=128, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=64)),
     "tiny-chunks": EngineConfig(num_kv_blocks=128, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=12)),
     "preempt-recompute": EngineConfig(
-        num_kv_blocks=18, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="recompute")
+        num_kv_blocks=18,
+        block_size=8,
+        scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="recompute"),
     ),
     "preempt-swap": EngineConfig(
         num_kv_blocks=18, block_size=8, scheduler=SchedulerConfig(max_num_batched_tokens=32, preemption_mode="swap")
@@ -161,3 +169,37 @@ def test_greedy_equals_transformers_in_every_mode(family, mode):
         assert engine.scheduler.num_preemptions > 0, "the small pool was meant to force preemption"
     if mode == "prefix-cache":
         assert bm.prefix_hits > 0, "the shared 40-token prefix was meant to be found in the cache"
+
+
+def test_ngram_speculation_gives_transformers_tokens(family):
+    """Proposals verified in one pass (the n-gram proposer needs no draft model of the family)."""
+    name, ckpt, expected = family
+    cfg = EngineConfig(num_kv_blocks=128, block_size=8, speculative=SpeculativeConfig("ngram", 3))
+    engine = LLMEngine.from_checkpoint(ckpt, cfg)
+    got = run_staggered(engine, prompts(), SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert got == expected, name
+
+
+REGEX = r"(yes|no), [0-9]{2} [a-z]{1,6}\."
+
+
+def test_structured_output_follows_the_regex(family, tmp_path):
+    """xgrammar's mask over each family's logits (soft-capped, sink-normalised alike): sampled text fits."""
+    name, ckpt, _ = family
+    tok = train_bpe([TEXT], vocab_size=BASE["vocab_size"])
+    model = load_checkpoint(ckpt).model
+    model.config.eos_token_id = tok.eos_token_id
+    save_model(tmp_path / "with-tok", model, tokenizer=tok)
+    engine = LLMEngine.from_checkpoint(tmp_path / "with-tok", EngineConfig(num_kv_blocks=64, block_size=8))
+    for seed in range(3):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=48, structured=StructuredOutputs(regex=REGEX))
+        engine.add_request(str(seed), "The quick brown fox", params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                done[out.request_id] = out.outputs[0]
+    assert len(done) == 3
+    for c in done.values():
+        assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text), (name, c.text)

@@ -1,4 +1,4 @@
-"""A sequence being generated: its tokens, how many are in the KV cache, and its block table."""
+"""A sequence being generated: its tokens, how many are in the KV cache, and its block table(s)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,12 @@ class Sequence:
     host_block_table: list[int] = field(default_factory=list)  # where its KV lives while SWAPPED
     # StreamingLLM / sliding window: leading blocks dropped from the cache
     num_evicted_tokens: int = 0
+    # KV groups (a model mixing sliding-window and full layers: serve/scheduling/window_blocks.py): the
+    # sliding layers' own table over the same logical blocks as block_table (which is then the full
+    # layers'), its first num_window_dropped entries NULL (out of the window, freed); None: no such group
+    window_block_table: list[int] | None = None
+    num_window_dropped: int = 0
+    window_host_block_table: list[int] = field(default_factory=list)  # while SWAPPED (-1: a NULL entry)
     # Speculative decoding: this step's proposed tokens (a chain, or a tree via spec_parents) and,
     # for a draft model that sampled them, the draft's distributions [k, vocab] (None: deterministic)
     spec_token_ids: list[int] = field(default_factory=list)

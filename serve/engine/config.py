@@ -20,6 +20,9 @@ class EngineConfig:
     swap_space_bytes: int = 64 * 1024**2  # host pool for swap preemption
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # a model mixing sliding-window and full layers: the sliding ones keep only their window's blocks
+    # (serve/scheduling/window_blocks.py); False: every layer keeps every token, one block table
+    kv_cache_groups: bool = True
     streaming_sink_tokens: int | None = None  # set both streaming_* to enable StreamingLLM
     streaming_window_tokens: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

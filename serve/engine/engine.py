@@ -40,19 +40,20 @@ from baton.serve.core.stats import EngineStats
 from baton.serve.engine.config import EngineConfig
 from baton.serve.engine.output import OutputProcessor
 from baton.serve.engine.rules import check as check_rules
-from baton.serve.engine.sizing import plan_pools
+from baton.serve.engine.sizing import kv_group_window, plan_model_pools
 from baton.serve.grammar import GrammarCache, prune_proposals
 from baton.serve.outputs import RequestOutput
 from baton.serve.quantization.kv_cache import check_kv_cache_dtype
 from baton.serve.quantization.loader import load_model  # float or quantized checkpoints
 from baton.serve.runner.early_exit import apply_early_exit
 from baton.serve.runner.interface import Runner
-from baton.serve.runner.model_runner import ExecuteResult, ModelRunner, kv_block_bytes
+from baton.serve.runner.model_runner import ExecuteResult, ModelRunner
 from baton.serve.sampler import SampleResult, sample
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.block_manager import BlockManager
 from baton.serve.scheduling.scheduler import Scheduler, SchedulerOutput
 from baton.serve.scheduling.streaming import SlidingWindowPolicy, StreamingLLMPolicy
+from baton.serve.scheduling.window_blocks import WindowBlocks
 from baton.serve.speculative.config import SpecStats
 from baton.serve.speculative.decoder import SpeculativeDecoder
 from baton.serve.speculative.registry import make_proposer
@@ -80,14 +81,15 @@ class LLMEngine:
         self.vocab_size = mcfg.vocab_size
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         states = None
+        # KV groups: a model mixing sliding-window and full layers frees the sliding ones' old blocks
+        window = kv_group_window(config, mcfg, sharded=runner is not None)
         if runner is None:
-            p = next(model.parameters())
-            block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
-            pools = plan_pools(config, mcfg, block_bytes, p.dtype, p.device)
+            pools = plan_model_pools(config, model, window)
             states = pools.states
             runner = ModelRunner(
-                model, pools.num_blocks, config.block_size, pools.num_host_blocks, config.kv_cache_dtype, states=states
-            )
+                model, pools.num_blocks, config.block_size, pools.num_host_blocks, config.kv_cache_dtype,
+                states=states, window_blocks=pools.num_window_blocks, window_host_blocks=pools.num_window_host_blocks,
+            )  # fmt: skip
         self.early_exit = None  # CALM confidence early exit: a runner wrapper (serve/runner/early_exit.py)
         if config.early_exit_threshold is not None:
             runner = self.early_exit = apply_early_exit(runner, config.early_exit_threshold)
@@ -100,7 +102,12 @@ class LLMEngine:
             eviction = SlidingWindowPolicy(mcfg.sliding_window)
         self.eviction = eviction
         prefix_caching = config.enable_prefix_caching and eviction is None
-        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host, states)
+        window_group = None  # the sliding-window layers' blocks (a runner with pools for them)
+        if window is not None and getattr(runner, "num_window_blocks", 0):
+            window_group = WindowBlocks(
+                runner.num_window_blocks, config.block_size, window, runner.num_window_host_blocks
+            )
+        self.block_manager = BlockManager(num_blocks, config.block_size, prefix_caching, num_host, states, window_group)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, eviction)
         self.requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()

@@ -3,7 +3,13 @@ blocks, and for hybrid (Mamba2 + attention) models the recurrent-state slots, co
 against the same budget: one per schedulable sequence (max_num_seqs: a sequence cannot run
 without one), plus up to max_num_seqs prefix snapshots with prefix caching on (at most a quarter
 of the budget); the rest becomes KV blocks for the attention layers. Swap space is split the same
-way (at most half for states)."""
+way (at most half for states).
+
+A model that mixes sliding-window and full layers keeps two KV groups (serve/scheduling/window_blocks.py,
+`kv_group_window` says when): the sliding layers' pool gets what max_num_seqs sequences can hold of
+it at once - each its window and a partial block at both ends, plus one step's tokens - as no more
+is ever used, and never more blocks than the full layers' (which then hold more tokens for the
+same bytes); the full layers' pool gets the rest. Host swap space is split the same way."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch
 from baton.common.config import ConfigError, ModelConfig
 from baton.serve.engine.config import EngineConfig
 from baton.serve.runner.kv_budget import kv_budget_bytes
+from baton.serve.runner.model_runner import kv_block_bytes
 from baton.serve.scheduling.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
@@ -27,6 +34,22 @@ class Pools:
     num_blocks: int
     num_host_blocks: int
     states: StateSlots | None = None
+    num_window_blocks: int = 0  # KV groups: the sliding-window layers' own pool (0: none)
+    num_window_host_blocks: int = 0
+
+
+def plan_model_pools(config: EngineConfig, model, window: int | None) -> Pools:
+    """The pools for `model` in this process; `window` (kv_group_window's): the two KV groups'."""
+    mcfg, p = model.config, next(model.parameters())
+    if window is None:
+        block_bytes = kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype)
+        return plan_pools(config, mcfg, block_bytes, p.dtype, p.device)
+    nsliding = sum(mcfg.is_sliding(i) for i in range(mcfg.num_hidden_layers))
+    full, sliding = (
+        kv_block_bytes(model, config.block_size, p.dtype, config.kv_cache_dtype, num_layers=n)
+        for n in (mcfg.num_hidden_layers - nsliding, nsliding)
+    )
+    return plan_group_pools(config, mcfg, full, sliding, window, p.device)
 
 
 def plan_pools(config: EngineConfig, mcfg: ModelConfig, block_bytes: int, dtype: torch.dtype, device) -> Pools:
@@ -42,6 +65,65 @@ def plan_pools(config: EngineConfig, mcfg: ModelConfig, block_bytes: int, dtype:
             raise ValueError(f"KV cache budget of {budget} bytes holds no {block_bytes}-byte block")
     swap = config.scheduler.preemption_mode == "swap"
     return Pools(int(num_blocks), config.swap_space_bytes // block_bytes if swap else 0)
+
+
+def kv_group_window(config: EngineConfig, mcfg: ModelConfig, sharded: bool = False) -> int | None:
+    """The window, when the model's sliding-window layers get a KV group of their own: the model
+    has both sliding and full attention layers, served in this process by the plain runner; else
+    None (a model that mixes them logs why every layer keeps every token)."""
+    attn = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_attention_layer(i)]
+    sliding = sum(mcfg.is_sliding(i) for i in attn)
+    if mcfg.sliding_window is None or not 0 < sliding < len(attn):
+        return None
+    spec = config.speculative
+    why = next(
+        (
+            why
+            for off, why in (
+                (not config.kv_cache_groups, "kv_cache_groups is off"),
+                (sharded, "the sharded workers keep one block table for every layer so far"),
+                (config.streaming, "StreamingLLM evicts the same blocks from every layer"),
+                (config.early_exit_threshold is not None, "CALM early exit's runner reads one set of block tables"),
+                (spec is not None and spec.method == "layerskip", "LayerSkip's draft reuses the full layers' slots"),
+            )
+            if off
+        ),
+        None,
+    )
+    if why is not None:
+        log.info("KV groups off: the %d sliding-window layers keep every token as the full ones do (%s)", sliding, why)
+        return None
+    return mcfg.sliding_window
+
+
+def plan_group_pools(
+    config: EngineConfig, mcfg: ModelConfig, full_bytes: int, window_bytes: int, window: int, device
+) -> Pools:
+    """The two groups' pools (module docstring): full_bytes and window_bytes are a block's bytes
+    over the full and the sliding layers; num_kv_blocks, when given, is the full layers' count."""
+    bs, sched = config.block_size, config.scheduler
+    demand = sched.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-sched.max_num_batched_tokens // bs)
+
+    def split(budget: int) -> tuple[int, int]:
+        n_window = min(demand, budget // (full_bytes + window_bytes))
+        return (budget - n_window * window_bytes) // full_bytes, n_window
+
+    if config.num_kv_blocks is not None:
+        num_blocks, num_window = config.num_kv_blocks, min(config.num_kv_blocks, demand)
+    else:
+        budget = budget_bytes(config, mcfg, device)
+        num_blocks, num_window = split(budget)
+        if num_window < 1:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds no {full_bytes}+{window_bytes}-byte block of the two groups"
+            )
+    host, host_window = split(config.swap_space_bytes) if sched.preemption_mode == "swap" else (0, 0)
+    log.info(
+        "KV groups: %d blocks of %d bytes for the full layers, %d of %d bytes for the sliding-window layers "
+        "(window %d); host swap %d + %d blocks",
+        num_blocks, full_bytes, num_window, window_bytes, window, host, host_window,
+    )  # fmt: skip
+    return Pools(int(num_blocks), int(host), None, int(num_window), int(host_window))
 
 
 def budget_bytes(config: EngineConfig, mcfg: ModelConfig, device: torch.device) -> int:

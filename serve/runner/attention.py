@@ -52,6 +52,9 @@ class AttentionMetadata:
     max_prefill_len: int
     window_in_cache: bool = True  # False for StreamingLLM: the cache itself is the window
     trees: list[TreeGroup] = field(default_factory=list)
+    # KV groups (serve/scheduling/window_blocks.py): the sliding-window layers' own slot mapping and
+    # block tables, otherwise this metadata; None: every layer reads these
+    window: AttentionMetadata | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -115,6 +118,8 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention) -> torch.Tensor:
         md = self.metadata
         assert md is not None and q.shape[0] == 1, "the runner packs a step into one row and sets metadata"
+        if md.window is not None and layer.sliding_window is not None:  # its KV group's blocks
+            md = md.window
         q, k, v = q[0], k[0], v[0]
         k_cache, v_cache = self.kv_caches[layer.layer_idx]
         if self.kv_cache_dtype == "auto":

@@ -14,6 +14,9 @@ the front) shows as a difference, so no rule about who changes tables is relied 
 The one-dimensional inputs (ids, positions, slots, lengths) change every step anyway: they go
 through numpy, a few times cheaper than torch.tensor on a list. Every tensor returned is new (a
 copy, never a view of the kept table), so a step's metadata stays valid after later steps.
+
+With KV groups (the plan has a WindowPlan) the sliding-window layers' tables keep rows of their own,
+in a second InputBatch (`window`), made at the first such step.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class InputBatch:
         self.row_of: dict[int, int] = {}
         self.free = list(range(rows - 1, -1, -1))  # pop() takes the lowest row first
         self.num_row_writes = 0  # rows (re)written, in all steps so far
+        self.window: InputBatch | None = None  # KV groups: the sliding-window layers' table rows
 
     def release(self, seq_id: int) -> None:
         """A sequence left: its row is zeroed and free for the next one."""
@@ -44,6 +48,8 @@ class InputBatch:
             self.table[r, : len(self.written[r])] = 0
             self.written[r] = None
             self.free.append(r)
+        if self.window is not None:
+            self.window.release(seq_id)
 
     def tensors(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids [1, T], positions [1, T], attention metadata) on the device: equal to
@@ -61,6 +67,12 @@ class InputBatch:
             window_in_cache=plan.window_in_cache,
             trees=plan.tree_groups(),
         )
+        if plan.window is not None:
+            w, rows = plan.window, self.window or InputBatch(self.device)
+            self.window = rows
+            dec, pre = rows._tables(plan.dec_seqs, w.dec_tables), rows._tables(plan.pre_seqs, w.pre_tables)
+            md.window = w.metadata(md, self._vec(w.slots, np.int64), dec, pre)
+            rows._prune(plan.dec_seqs + plan.pre_seqs)
         self._prune(plan.dec_seqs + plan.pre_seqs)
         return self._vec(plan.ids, np.int64).view(1, -1), self._vec(plan.positions, np.int64).view(1, -1), md
 

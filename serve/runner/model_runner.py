@@ -3,6 +3,10 @@
 With tensor/pipeline parallelism (serve/parallel/) every rank has a ModelRunner over its shard:
 its pipeline stage's layers (`layers`), its attention heads, and KV pools for exactly those.
 
+A model that mixes sliding-window and full layers may keep two KV groups (serve/scheduling/window_blocks.py):
+given `window_blocks`, its sliding layers' pools have that many blocks of their own, addressed by
+the chunks' window tables (the plan's WindowPlan), and every block op says which group it is for.
+
 A hybrid model (Bamba) has KV pools for its attention layers only, and a StatePool
 (serve/runner/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
 BlockManager's StateSlots, which say each scheduled sequence's slot.
@@ -121,11 +125,14 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         layers: range | None = None,
         states: StateSlots | None = None,
+        window_blocks: int = 0,
+        window_host_blocks: int = 0,
     ):
         """`layers`: the global indices of the decoder layers this runner holds (a pipeline stage);
         default all. Their attention modules give the (possibly sharded) KV head count. A hybrid
         model needs `states`, the BlockManager's record of the state slots: it sizes the pool and
-        says each scheduled sequence's slot."""
+        says each scheduled sequence's slot. `window_blocks` > 0: the sliding-window layers' own
+        KV group of that many blocks (and `window_host_blocks` to swap to); 0: one group."""
         self.model = fuse_projections(fuse_residual_norms(model.eval()))
         cfg = model.config
         p = next(model.parameters())
@@ -142,22 +149,28 @@ class ModelRunner:
         shape = (next(x.self_attn for x in self.layers if hasattr(x, "self_attn")).num_kv_heads, width)
         pin = self.device.type == "cuda"
 
-        def pools(n: int, device, pin_memory: bool = False) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        mine = [i for i in self.layer_ids if cfg.is_attention_layer(i)]
+        self.num_window_blocks, self.num_window_host_blocks = window_blocks, window_host_blocks
+        # the layers whose pools each group's block ids address
+        self.window_layers = [i for i in mine if window_blocks and cfg.is_sliding(i)]
+        self.full_layers = [i for i in mine if i not in self.window_layers]
+
+        def pools(n: int, n_window: int, device, pin_memory: bool = False) -> list[tuple[torch.Tensor, ...] | None]:
             # Zero-filled: padded block-table entries may be read (and masked), never as NaN. Indexed
             # by global layer; None for the layers other pipeline stages hold and for mixer layers.
-            mine = {i for i in self.layer_ids if cfg.is_attention_layer(i)}
-            return [
-                tuple(
-                    torch.zeros(n, block_size, *shape, dtype=pool_dtype, device=device, pin_memory=pin_memory)
+            def pool(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                size = n_window if i in self.window_layers else n
+                return tuple(
+                    torch.zeros(size, block_size, *shape, dtype=pool_dtype, device=device, pin_memory=pin_memory)
                     for _ in range(2)
                 )
-                if i in mine
-                else None
-                for i in range(cfg.num_hidden_layers)
-            ]
 
-        self.kv_caches = pools(num_blocks, self.device)
-        self.host_caches = pools(num_host_blocks, "cpu", pin) if num_host_blocks else []
+            return [pool(i) if i in mine else None for i in range(cfg.num_hidden_layers)]
+
+        self.kv_caches = pools(num_blocks, window_blocks, self.device)
+        self.host_caches = (
+            pools(num_host_blocks, window_host_blocks, "cpu", pin) if num_host_blocks or window_host_blocks else []
+        )
         self.state_slots = states
         mixers = {i: x.mamba for i, x in zip(self.layer_ids, self.layers) if hasattr(x, "mamba")}
         if mixers:
@@ -169,7 +182,10 @@ class ModelRunner:
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
         # On CPU a step's layers run without the modules' Python between kernels where they can (cpu_layers.py).
-        self.cpu_layers = bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
+        # (not with KV groups: the C++ stack reads one slot mapping and one set of tables for every layer)
+        self.cpu_layers = (
+            None if self.window_layers else bind_cpu_layers(self.layers, self.attn, self.device, self.dtype)
+        )
         # (only where the logits are lm_head(hidden): a compute_logits of its own would be bypassed)
         plain_logits = getattr(type(self.model), "compute_logits", None) is CausalLM.compute_logits
         plain_logits = plain_logits and cfg.final_logit_softcapping is None
@@ -196,7 +212,17 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------ block ops
     def apply_block_ops(self, ops: BlockOps) -> None:
-        """Swap-outs first: a block freed by one may be reused by a swap-in or copy this step."""
+        """Swap-outs first: a block freed by one may be reused by a swap-in or copy this step. The
+        full layers' ops, then (KV groups) the sliding-window layers' with their own block ids."""
+        self._move_blocks(ops, self.full_layers)
+        if ops.window is not None:
+            self._move_blocks(ops.window, self.window_layers)
+        for blocks, shift in ops.rerotations:
+            self._rerotate(blocks, shift)
+        if ops.state_ops:
+            self.state_pool.apply(ops.state_ops)
+
+    def _move_blocks(self, ops: BlockOps, layers: list[int]) -> None:
         for pairs, src_pools, dst_pools in (
             (ops.swap_out, self.kv_caches, self.host_caches),
             (ops.swap_in, self.host_caches, self.kv_caches),
@@ -206,16 +232,10 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs])
             dst = torch.tensor([b for _, b in pairs])
-            for src_pool, dst_pool in zip(src_pools, dst_pools):
-                if src_pool is None:
-                    continue
-                (sk, sv), (dk, dv) = src_pool, dst_pool
+            for i in layers:
+                (sk, sv), (dk, dv) = src_pools[i], dst_pools[i]
                 dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
                 dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
-        for blocks, shift in ops.rerotations:
-            self._rerotate(blocks, shift)
-        if ops.state_ops:
-            self.state_pool.apply(ops.state_ops)
 
     def _rerotate(self, blocks: list[int], shift: int) -> None:
         """Move cached keys `shift` positions left: RoPE(p - s) = RoPE(-s) . RoPE(p)."""
@@ -394,12 +414,16 @@ class ModelRunner:
         if self.state_slots is not None:
             self.attn.spec_states.pop(seq_id, None)
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy K/V between cache slots (compacting an accepted tree path into a chain)."""
-        if not src:
-            return
-        s, d = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-        for k_cache, v_cache in filter(None, self.kv_caches):
-            for cache in (k_cache, v_cache):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat[d] = flat[s].clone()
+    def move_slots(
+        self, src: list[int], dst: list[int], window_src: list[int] | None = None, window_dst: list[int] | None = None
+    ) -> None:
+        """Copy K/V between cache slots (compacting an accepted tree path into a chain); with KV
+        groups the sliding-window layers' slots are window_src/window_dst."""
+        for layers, a, b in ((self.full_layers, src, dst), (self.window_layers, window_src, window_dst)):
+            if not a or not layers:
+                continue
+            s, d = torch.tensor(a, device=self.device), torch.tensor(b, device=self.device)
+            for i in layers:
+                for cache in self.kv_caches[i]:
+                    flat = cache.view(-1, *cache.shape[2:])
+                    flat[d] = flat[s].clone()

@@ -11,6 +11,11 @@ tokens: speculative chains, prompt tails), then longer prefill chunks, then spec
 chunk's K/V are written to the cache before attention, so its row i is exactly a decode over the
 cache up to itself (context prefix + i + 1): the decode kernel serves it without the prefill
 path's per-sequence prefix gather.
+
+KV groups (a model mixing sliding-window and full layers: serve/scheduling/window_blocks.py): the
+sliding layers keep blocks of their own, so a chunk carries their table too (`window_table`), and
+the plan their slot mapping and block tables row for row with the full layers' (`window`, a
+WindowPlan); the attention backend reads them for the layers with a window.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Chunk:
     block_table: list[int]
     spec_parents: list[int] | None  # a speculative tree
     sample: str  # "all" rows (speculative proposals are checked), "last", or "none" (a prompt chunk)
+    window_table: list[int] | None = None  # KV groups: the sliding-window layers' block table
 
     @classmethod
     def of(cls, seq: Sequence, n: int) -> "Chunk":
@@ -56,7 +62,41 @@ class Chunk:
         else:
             tokens, sample = ids[start : start + n], "last" if start + n == len(ids) else "none"
         parents = None if seq.spec_parents is None else list(seq.spec_parents)
-        return cls(seq.seq_id, start, seq.num_evicted_tokens, tokens, seq.block_table, parents, sample)
+        return cls(
+            seq.seq_id, start, seq.num_evicted_tokens, tokens, seq.block_table, parents, sample, seq.window_block_table
+        )
+
+
+@dataclass
+class WindowPlan:
+    """The sliding-window layers' own slot mapping and block tables (KV groups), row for row as
+    the plan's: per token, per decode row, per prefill chunk, per tree."""
+
+    slots: list[int] = field(default_factory=list)
+    dec_tables: list[list[int]] = field(default_factory=list)
+    pre_tables: list[list[int]] = field(default_factory=list)
+    tree_tables: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, chunks: list[Chunk], block_size: int) -> WindowPlan:
+        bs, w = block_size, cls()
+        for c in chunks:
+            n, first, table = len(c.tokens), c.start - c.evicted, c.window_table
+            w.slots += [table[i // bs] * bs + i % bs for i in range(first, first + n)]
+            if c.spec_parents is not None:
+                w.tree_tables.append(table)
+            elif n <= DECODE_ROWS:
+                w.dec_tables += [table] * n
+            else:
+                w.pre_tables.append(table)
+        return w
+
+    def metadata(self, md: AttentionMetadata, slots, dec_tables, pre_tables) -> AttentionMetadata:
+        """md (the full layers') with this group's slots and tables (tensors, built by the caller)."""
+        trees = [dataclasses.replace(t, block_table=wt) for t, wt in zip(md.trees, self.tree_tables)]
+        return dataclasses.replace(
+            md, slot_mapping=slots, decode_block_tables=dec_tables, prefill_block_tables=pre_tables, trees=trees
+        )
 
 
 @dataclass
@@ -76,6 +116,7 @@ class StepPlan:
     sample_rows: list[int] = field(default_factory=list)
     return_hidden: bool = False
     chunks: list[Chunk] = field(default_factory=list)  # what the plan was built from, in packing order
+    window: WindowPlan | None = None  # KV groups: the sliding-window layers' slots and tables
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +185,8 @@ class StepPlan:
                 plan.sample_rows += range(row0, row0 + n)
             elif c.sample == "last":
                 plan.sample_rows.append(len(plan.ids) - 1)
+        if chunks and chunks[0].window_table is not None:
+            plan.window = WindowPlan.of(chunks, bs)
         return plan
 
     def tree_groups(self) -> list[TreeGroup]:
@@ -177,6 +220,10 @@ class StepPlan:
             window_in_cache=self.window_in_cache,
             trees=self.tree_groups(),
         )
+        if self.window is not None:
+            w = self.window
+            slots = torch.tensor(w.slots, dtype=torch.int64, device=dev)
+            md.window = w.metadata(md, slots, table(w.dec_tables), table(w.pre_tables))
         input_ids = torch.tensor([self.ids], dtype=torch.long, device=dev)
         pos = torch.tensor([self.positions], dtype=torch.long, device=dev)
         return input_ids, pos, md
@@ -198,7 +245,8 @@ def plan_chunks(scheduled: list[tuple[Sequence, int]]) -> tuple[list[Chunk], lis
 class WireStep:
     """A step as it travels to the workers: the chunks with each block table sent as a delta
     against the table the workers already hold for that sequence (the blocks kept from the front,
-    then the new tail: usually nothing or one new block), and the sequences to forget."""
+    then the new tail: usually nothing or one new block), and the sequences to forget. (A chunk's
+    window_table, KV groups, would travel whole; the sharded engine serves one group so far.)"""
 
     chunks: list[Chunk]  # block_table holds only the new tail
     keep: list[int]  # per chunk: leading blocks of the previous table that stay

@@ -10,25 +10,26 @@ A hybrid model's mixers keep a recurrent state per sequence instead of blocks: `
 (serve/scheduling/state_slots.py's StateSlots) follows every sequence's blocks here - taken with its first
 blocks, freed, forked, swapped with them - and a prefix hit needs the state snapshot where the
 hit ends, so hits are cut back to the longest cached prefix that has one.
+
+A model that mixes sliding-window and full layers has a second KV group, `window`
+(serve/scheduling/window_blocks.py's WindowBlocks): the blocks here are the full layers', and the
+sliding layers keep their own, freed as they leave the window; every operation here does its part
+for that group too, and a prefix hit is cut back to where both groups have the blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from baton.serve.core.sequence import Sequence
+from baton.serve.scheduling.block_pool import Block, BlockPool
 from baton.serve.scheduling.state_slots import StateOp, StateSlots
+from baton.serve.scheduling.window_blocks import WindowBlocks
 
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None  # set while the block is registered in the prefix cache
+__all__ = ["Block", "BlockManager", "BlockOps", "hash_block"]
 
 
 @dataclass
@@ -40,6 +41,7 @@ class BlockOps:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     rerotations: list[tuple[list[int], int]] = field(default_factory=list)  # StreamingLLM: (blocks, shift left)
     state_ops: list[StateOp] = field(default_factory=list)  # hybrid: state slot copies/swaps, in order
+    window: BlockOps | None = None  # KV groups: the sliding-window layers' swaps and copies (their own block ids)
 
 
 def hash_block(parent: bytes | None, tokens: list[int]) -> bytes:
@@ -58,21 +60,24 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         num_host_blocks: int = 0,
         states: StateSlots | None = None,
+        window: WindowBlocks | None = None,
     ):
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
+        if states is not None and window is not None:
+            raise ValueError("a model with recurrent-state slots has no sliding-window KV group")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
-        self.cached: dict[bytes, int] = {}
-        self.host_free: list[int] = list(range(num_host_blocks))[::-1]
-        self.num_host_blocks = num_host_blocks
+        self.pool = BlockPool(num_blocks, num_host_blocks, states.evict if states is not None else None)
+        # the pool's own containers, by the names they had here
+        self.blocks, self.free_blocks, self.cached = self.pool.blocks, self.pool.free_blocks, self.pool.cached
+        self.host_free, self.num_host_blocks = self.pool.host_free, num_host_blocks
         # Work for the model runner, drained every step: (src, dst) block copies.
         self.pending_copies: list[tuple[int, int]] = []
         self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
         self.states = states
+        self.window = window
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
 
@@ -90,28 +95,13 @@ class BlockManager:
         return self.num_blocks - self.num_free_blocks
 
     def _pop_free(self) -> int:
-        block_id, _ = self.free_blocks.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:  # evict it from the prefix cache
-            if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
-                if self.states is not None:
-                    self.states.evict(block.hash)
-            block.hash = None
-        block.ref_count = 1
-        return block_id
+        return self.pool.pop_free()
 
     def _ref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        if block.ref_count == 0:
-            del self.free_blocks[block_id]
-        block.ref_count += 1
+        self.pool.ref(block_id)
 
     def _unref(self, block_id: int) -> None:
-        block = self.blocks[block_id]
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            self.free_blocks[block_id] = None  # most recently used: evicted last
+        self.pool.unref(block_id)
 
     # --------------------------------------------------------------------------- prefix cache
     def update_hashes(self, seq: Sequence) -> None:
@@ -141,6 +131,9 @@ class BlockManager:
                 self.states.diverged[seq.seq_id] = kv_hit * self.block_size
             if hits:
                 self.states.plan_restore(seq, seq.block_hashes[len(hits) - 1])
+        if self.window is not None:  # the sliding layers' blocks in the window before the hit's end too
+            del hits[self.window.usable_hit(seq.block_hashes, len(hits)) :]
+            self.window.attach_hit(seq, len(hits))
         for block_id in hits:
             self._ref(block_id)
         seq.block_table = hits
@@ -152,20 +145,20 @@ class BlockManager:
         self.prefix_hits += num_hit_tokens
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's newly completed, computed blocks to the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
-        self.update_hashes(seq)
-        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        for i in range(seq.num_registered_blocks, full):
-            block = self.blocks[seq.block_table[i]]
-            h = seq.block_hashes[i]
-            if block.hash is None and h not in self.cached:
-                block.hash = h
-                self.cached[h] = block.block_id
-        seq.num_registered_blocks = max(seq.num_registered_blocks, full)
-        if self.states is not None:
-            self.states.publish(seq)
+        """Offer the sequence's newly completed, computed blocks to the prefix cache (after a
+        step's forward; then the sliding-window group frees what the next token no longer sees)."""
+        if self.enable_prefix_caching:
+            self.update_hashes(seq)
+            full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+            for i in range(seq.num_registered_blocks, full):
+                self.pool.register(seq.block_table[i], seq.block_hashes[i])
+            if self.window is not None:
+                self.window.register(seq, seq.num_registered_blocks, full)
+            seq.num_registered_blocks = max(seq.num_registered_blocks, full)
+            if self.states is not None:
+                self.states.publish(seq)
+        if self.window is not None:
+            self.window.drop(seq)
 
     # --------------------------------------------------------------------------- allocation
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -184,7 +177,12 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of KV; False (and no change) if it can't."""
+        """Make room for num_new_tokens more tokens of KV; False (and no change) if it can't (but
+        the sliding-window group's blocks that left the window are freed either way)."""
+        if self.window is not None:
+            self.window.drop(seq)
+            if not self.window.can_allocate(seq, num_new_tokens):
+                return False
         if not self.can_allocate(seq, num_new_tokens) or (self.states is not None and not self.states.can_take(seq)):
             return False
         if self.states is not None:
@@ -200,6 +198,8 @@ class BlockManager:
         total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
         while len(seq.block_table) * self.block_size < total:
             seq.block_table.append(self._pop_free())
+        if self.window is not None:
+            self.window.allocate(seq, num_new_tokens)
         return True
 
     def _plan_snapshot(self, seq: Sequence, num_new_tokens: int) -> None:
@@ -222,6 +222,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         if self.states is not None:
             self.states.release(seq)
+        if self.window is not None:
+            self.window.free(seq)
         # Tail first, so a prompt's head blocks are the last to be evicted from the cache.
         for block_id in reversed(seq.block_table):
             if block_id >= 0:
@@ -235,6 +237,8 @@ class BlockManager:
         for block_id in reversed(seq.block_table[keep:]):
             self._unref(block_id)
         del seq.block_table[keep:]
+        if self.window is not None:
+            self.window.trim(seq, keep)
         seq.num_registered_blocks = min(seq.num_registered_blocks, keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -247,6 +251,8 @@ class BlockManager:
                 self.blocks[block_id].ref_count += 1
         if self.states is not None:
             self.states.fork(parent, child)
+        if self.window is not None:
+            self.window.fork(parent, child)
 
     def drop_leading_blocks(self, seq: Sequence, start: int, count: int) -> None:
         """Free `count` blocks after the first `start` ones (StreamingLLM / sliding window)."""
@@ -257,11 +263,17 @@ class BlockManager:
 
     # --------------------------------------------------------------------------- swapping
     def can_swap_out(self, seq: Sequence) -> bool:
-        return len(self.host_free) >= len(seq.block_table) and (self.states is None or self.states.can_swap_out())
+        return (
+            len(self.host_free) >= len(seq.block_table)
+            and (self.states is None or self.states.can_swap_out())
+            and (self.window is None or self.window.can_swap_out(seq))
+        )
 
     def swap_out(self, seq: Sequence) -> None:
         if self.states is not None:
             self.states.swap_out(seq)
+        if self.window is not None:
+            self.window.swap_out(seq)
         for block_id in seq.block_table:
             host = self.host_free.pop()
             self.pending_swap_out.append((block_id, host))
@@ -272,11 +284,15 @@ class BlockManager:
         """Room for its swapped blocks plus the new tokens it will compute right away."""
         total = seq.num_computed_tokens - seq.num_evicted_tokens + num_new_tokens
         fits = max(len(seq.host_block_table), -(-total // self.block_size)) <= self.num_free_blocks
+        if self.window is not None and not self.window.can_swap_in(seq, num_new_tokens):
+            return False
         return fits and (self.states is None or self.states.num_free > 0)
 
     def swap_in(self, seq: Sequence) -> None:
         if self.states is not None:
             self.states.swap_in(seq)
+        if self.window is not None:
+            self.window.swap_in(seq)
         for host in seq.host_block_table:
             block_id = self._pop_free()
             self.pending_swap_in.append((host, block_id))
@@ -289,12 +305,16 @@ class BlockManager:
         seq.host_block_table = []
         if self.states is not None:
             self.states.free_host(seq)
+        if self.window is not None:
+            self.window.free_host(seq)
 
     def take_pending(self) -> BlockOps:
         """The swaps and copies queued since the last call (no rerotations: those are the eviction policy's)."""
         out = BlockOps(self.pending_swap_out, self.pending_swap_in, self.pending_copies)
         if self.states is not None:
             out.state_ops = self.states.take_ops()
+        if self.window is not None:
+            out.window = BlockOps(*self.window.take_pending())
         self.pending_swap_out, self.pending_swap_in, self.pending_copies = [], [], []
         return out
 
@@ -305,24 +325,13 @@ class BlockManager:
     def problem(self, live: Iterable[Sequence]) -> str | None:
         """None if every block's ref count equals the live block tables holding it, the free list is
         exactly the unreferenced blocks, the host pool's free and held blocks add up, and a hybrid's
-        state slots add up too; else why not (the engine recounts after failing requests:
-        serve/core/faults.py)."""
+        state slots (or the sliding-window group's blocks) add up too; else why not (the engine
+        recounts after failing requests: serve/core/faults.py)."""
         live = list(live)
-        refs = Counter(b for s in live for b in s.block_table if b >= 0)
-        wrong = [b.block_id for b in self.blocks if b.ref_count != refs.get(b.block_id, 0)]
-        if wrong:
-            b = self.blocks[wrong[0]]
-            return (
-                f"KV block {b.block_id} has ref count {b.ref_count} but {refs.get(b.block_id, 0)} live sequences "
-                f"hold it ({len(wrong)} blocks disagree)"
-            )
-        unreferenced = {b.block_id for b in self.blocks if b.ref_count == 0}
-        if set(self.free_blocks) != unreferenced:
-            return f"the KV free list has {self.num_free_blocks} blocks but {len(unreferenced)} are unreferenced"
-        held = [h for s in live for h in s.host_block_table]
-        if (
-            len(self.host_free) + len(held) != self.num_host_blocks
-            or len(set(held) | set(self.host_free)) != self.num_host_blocks
-        ):
-            return f"the host swap pool has {len(self.host_free)} free and {len(held)} held blocks, not its {self.num_host_blocks}"
-        return None if self.states is None else self.states.problem(live)
+        held = [b for s in live for b in s.block_table if b >= 0]
+        problem = self.pool.problem(held, [h for s in live for h in s.host_block_table])
+        if problem is None and self.window is not None:
+            problem = self.window.problem(live)
+        if problem is None and self.states is not None:
+            problem = self.states.problem(live)
+        return problem

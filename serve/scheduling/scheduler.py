@@ -24,6 +24,7 @@ from baton.serve.core.token_tree import clear_speculation
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.block_manager import BlockManager, BlockOps
 from baton.serve.scheduling.streaming import EvictionPolicy
+from baton.serve.scheduling.window_blocks import window_blocks_bound
 
 
 def slots(seq: Sequence) -> int:
@@ -96,6 +97,15 @@ class Scheduler:
                 f"the KV cache ({pool} blocks of {bs}) cannot hold one sequence of {cached} cached "
                 "tokens: raise the KV budget or lower max_tokens"
             )
+        win = self.bm.window
+        if win is not None:  # the sliding layers' group holds its window and one step's chunk (at most)
+            need = min(-(-cached // bs), window_blocks_bound(win.window, bs, self.config.max_num_batched_tokens))
+            if need > win.num_blocks:
+                raise ValueError(
+                    f"the sliding-window layers' KV group ({win.num_blocks} blocks of {bs}) cannot hold one "
+                    f"sequence's window of {win.window} tokens and a step's chunk ({need} blocks): raise the "
+                    "KV budget or lower max_num_batched_tokens"
+                )
         # Forked after the prompt, each sample writes its next token's KV into a block of its own; with
         # fewer blocks the samples would only ever run one after another, re-prefilling.
         if params.n > 1 and cached > num_prompt and num_prompt // bs + params.n > pool:

@@ -139,7 +139,12 @@ class SpeculativeDecoder:
             bs = self.bm.block_size
             slot = lambda c: seq.block_table[c // bs] * bs + c % bs  # noqa: E731
             moves = [(root_slot_index + 1 + n, root_slot_index + 1 + d) for d, n in enumerate(path) if n != d]
-            self.runner.move_slots([slot(a) for a, _ in moves], [slot(b) for _, b in moves])
+            src, dst = [a for a, _ in moves], [b for _, b in moves]
+            slots = [[slot(c) for c in src], [slot(c) for c in dst]]
+            if seq.window_block_table is not None:  # KV groups: the sliding-window layers' own table
+                wslot = lambda c: seq.window_block_table[c // bs] * bs + c % bs  # noqa: E731
+                slots += [[wslot(c) for c in src], [wslot(c) for c in dst]]
+            self.runner.move_slots(*slots)
             self.bm.trim(seq)
             self.bm.register_full_blocks(seq)
             if hidden is not None:

@@ -55,8 +55,11 @@ class Runner(Protocol):
     def keep_state(self, seq_id: int, num_accepted: int) -> None:
         """Hybrids: after verification, keep the recurrent state at the last accepted token."""
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
-        """Copy K/V between cache slots (an accepted tree path compacted into a chain)."""
+    def move_slots(
+        self, src: list[int], dst: list[int], window_src: list[int] | None = None, window_dst: list[int] | None = None
+    ) -> None:
+        """Copy K/V between cache slots (an accepted tree path compacted into a chain); with KV groups
+        the sliding-window layers' slots are window_src/window_dst."""
 
     def release(self, seq_id: int) -> None:
         """A sequence left the engine: forget what the runner keeps for it."""

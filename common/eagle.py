@@ -57,6 +57,11 @@ class EagleHead(nn.Module):
         mc = cfg.model_config
         if mc.is_hybrid or mc.num_local_experts:
             raise ValueError("the EAGLE head is a dense attention layer: a Bamba or MoE target is not supported")
+        if mc.scale_embeddings or mc.final_logit_softcapping is not None or mc.sliding_rope_theta is not None:
+            raise ValueError(
+                f"the EAGLE head reads the target's embeddings and LM head as plain layers: a {mc.model_type} target "
+                "(scaled embeddings, soft-capped logits or a second rope) is not supported yet"
+            )
         self.fc = nn.Linear(2 * mc.hidden_size, mc.hidden_size)
         self.layer = DecoderLayer(mc, 0)
         self.inv_freq = inv_frequencies(mc.rotary_dim, mc.rope_theta, mc.rope_scaling)  # (float32, not a buffer)

@@ -98,3 +98,11 @@ def test_a_recipe_that_mixes_families_fails_before_any_work(fields, message):
     with pytest.raises(ConfigError) as e:
         ModelConfig(**SMALL, **fields)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_an_eagle_head_for_a_gemma_target_is_refused_with_the_reason(name):
+    from baton.common.eagle import EagleConfig, EagleHead
+
+    with pytest.raises(ValueError, match="scaled embeddings, soft-capped logits or a second rope"):
+        EagleHead(EagleConfig(config_from_hf(hf_dict(name)).to_dict()))

@@ -41,7 +41,12 @@ class EagleConfig:
 
     @property
     def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict({**self.layer, "num_hidden_layers": 1})
+        """One decoder layer of the target's: of its last layer's attention type where types mix."""
+        types = self.layer.get("layer_types")
+        one = {**self.layer, "num_hidden_layers": 1, "layer_types": types[-1:] if types else None}
+        if one.get("mlp_only_layers"):
+            one["mlp_only_layers"] = None  # (Qwen3-MoE's layer indices; an MoE target is refused below)
+        return ModelConfig.from_dict(one)
 
 
 def features(normed: torch.Tensor, norm: RMSNorm) -> torch.Tensor:

@@ -66,6 +66,13 @@ class EngineCollector:
         kv.add_metric(["used"], s.kv_blocks_total - s.kv_blocks_free)
         kv.add_metric(["free"], s.kv_blocks_free)
         yield kv
+        if s.kv_window_blocks_total:  # KV groups: the sliding-window layers' pool
+            window = GaugeMetricFamily(
+                "baton_kv_window_blocks", "Sliding-window layers' KV cache blocks by state", labels=["state"]
+            )
+            window.add_metric(["used"], s.kv_window_blocks_total - s.kv_window_blocks_free)
+            window.add_metric(["free"], s.kv_window_blocks_free)
+            yield window
         counters = {
             "baton_preemptions": ("Sequences preempted for lack of KV blocks", s.preemptions),
             "baton_prompt_tokens": ("Prompt tokens processed", s.prompt_tokens),

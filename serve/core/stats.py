@@ -17,7 +17,7 @@ class EngineStats:
     waiting_seqs: int
     running_seqs: int
     swapped_seqs: int
-    kv_blocks_total: int
+    kv_blocks_total: int  # the full-attention layers' pool (every layer's, without KV groups)
     kv_blocks_free: int
     prefix_cache_hit_rate: float
     preemptions: int  # since start, as are the token counts below
@@ -27,6 +27,8 @@ class EngineStats:
     spec_accepted_tokens: int
     spec_acceptance_rate: float
     spec_mean_accepted_length: float
+    kv_window_blocks_total: int = 0  # KV groups: the sliding-window layers' own pool (0: one group)
+    kv_window_blocks_free: int = 0
     active_calls: int = 0  # the server's admission: generation calls in the engine, and waiting for it
     queued_calls: int = 0
     # Speculative decoding per depth d (index d - 1): verification passes that proposed a token that

@@ -295,6 +295,8 @@ class LLMEngine:
             swapped_seqs=len(sched.swapped),
             kv_blocks_total=bm.num_blocks,
             kv_blocks_free=bm.num_free_blocks,
+            kv_window_blocks_total=bm.window.num_blocks if bm.window is not None else 0,
+            kv_window_blocks_free=bm.window.num_free_blocks if bm.window is not None else 0,
             prefix_cache_hit_rate=bm.prefix_hit_rate,
             preemptions=sched.num_preemptions,
             prompt_tokens=sched.num_computed_prompt_tokens,

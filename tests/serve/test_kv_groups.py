@@ -166,6 +166,9 @@ def test_sliding_group_holds_the_window_while_full_group_grows(gemma3):
         assert full == -(-seq.num_computed_tokens // BS)
         assert held <= (decode_bound if seq.num_computed_tokens >= len(prompt) else chunk_bound)
         assert bm.num_blocks - bm.num_free_blocks == full and w.num_blocks - w.num_free_blocks == held
+        stats = engine.stats()  # (what /metrics reports as baton_kv_blocks and baton_kv_window_blocks)
+        assert stats.kv_blocks_total - stats.kv_blocks_free == full
+        assert stats.kv_window_blocks_total - stats.kv_window_blocks_free == held
         assert seq.window_block_table[: seq.num_window_dropped] == [NULL_BLOCK] * seq.num_window_dropped
         counts.append((held, full))
     assert counts[-1][1] >= (len(prompt) + 58) // BS, "the full group keeps every token"

@@ -1,8 +1,8 @@
 """LayerSkip at T=2 tensor parallelism: plain vs the mirror draft vs KV reuse on the ranks, same run.
 
-"mirror" is the draft before the sharded reuse (DistributedRunner.can_enter_late patched False in
+"mirror" is the draft before the sharded reuse (DistributedRunner.install_late_entry patched to return None in
 the driver, so the proposer falls back exactly as a pipeline-parallel engine does: the checkpoint's
-first E layers in the engine process, their own cache); "reuse" is serve/parallel/draft.py. Each
+first E layers in the engine process, their own cache); "reuse" is serve/runner/late_entry.py. Each
 side is a fresh `LLM(..., tensor_parallel_size=2)` over benchmarks/speculative.py's
 layerskip-trained `--quick` char model (train it first with that script), decoding its 8 natural
 and 8 quoting prompts at batch 1 and 8 with speculative.py's timing (prefill outside the timed
@@ -23,14 +23,14 @@ from pathlib import Path
 
 from baton.serve import LLM
 from baton.serve.engine import EngineConfig
-from baton.serve.parallel import executor
+from baton.serve.parallel import driver
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.scheduling.scheduler import SchedulerConfig
 from baton.serve.speculative import SpeculativeConfig
 from speculative import RESULTS, SHAKESPEARE, prompt_sets  # the script dir is on sys.path
 
 TARGET = RESULTS / "spec-models" / "quick" / "layerskip" / "handoff"
-REUSE = executor.DistributedRunner.can_enter_late
+REUSE = driver.DistributedRunner.install_late_entry
 
 
 def timed(engine, prompts: list[str], batch: int, max_tokens: int) -> tuple[float, list]:
@@ -51,7 +51,7 @@ def timed(engine, prompts: list[str], batch: int, max_tokens: int) -> tuple[floa
 
 
 def side(mode: str, exit_layer: int, sets: dict, batches: tuple[int, ...], max_tokens: int) -> dict:
-    executor.DistributedRunner.can_enter_late = property(lambda self: False) if mode == "mirror" else REUSE
+    driver.DistributedRunner.install_late_entry = (lambda self, exit_layer: None) if mode == "mirror" else REUSE
     spec = None if mode == "plain" else SpeculativeConfig("layerskip", 4, exit_layer=exit_layer)
     cfg = EngineConfig(num_kv_blocks=512, block_size=16, speculative=spec, scheduler=SchedulerConfig(max_num_seqs=8))
     cells = {}

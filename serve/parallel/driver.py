@@ -35,7 +35,6 @@ from baton.common.errors import UserError
 from baton.serve.core.sequence import Sequence
 from baton.serve.parallel.comm import pid_running
 from baton.serve.parallel.config import ParallelConfig
-from baton.serve.parallel.draft import draft_pass
 from baton.serve.parallel.worker import (
     SPAWN_S,
     Setup,
@@ -50,6 +49,7 @@ from baton.serve.parallel.worker import (
     signal_name,
     worker_main,
 )
+from baton.serve.runner.late_entry import LateEntries, install_late_entry
 from baton.serve.runner.model_runner import ExecuteResult
 from baton.serve.runner.step_plan import (
     Chunk,
@@ -136,6 +136,7 @@ class DistributedRunner:
         self.in_flight = 0  # steps submitted, not collected
         self.max_in_flight = par.pipeline_parallel_size  # the engine pipelines steps when > 1
         self.failure: str | None = None
+        self.late: LateEntries | None = None  # LayerSkip's late entry on this rank, once installed (T x 1)
         self.control_s, self.steps = 0.0, 0  # the control plane (command broadcasts), measured
         t0 = time.monotonic()
         try:
@@ -278,18 +279,17 @@ class DistributedRunner:
         it. With P stages the engine keeps up to P steps submitted (max_in_flight), so the stages
         overlap across steps; a step run alone (execute) is cut into P micro-batches instead,
         which overlap within it."""
-        plans, wires, groups, chunked = [], [], [], []
+        plans, wires, groups = [], [], []
         flags = (positions_in_cache, window_in_cache, return_hidden)
         for part in split_for_pipeline(scheduled, micro_batches):
             chunks, part_groups = plan_chunks(part)
             plans.append(StepPlan.from_chunks(chunks, self.block_size, *flags))
             wires.append(self.tables.encode(chunks, *flags))
             groups += part_groups
-            chunked.append(chunks)
         with self._lock:
             number = self._command(("step", wires))
             try:
-                results, pending = run_stage(self.local, plans, self.topo, (chunked, positions_in_cache))
+                results, pending = run_stage(self.local, plans, self.topo, positions_in_cache)
             except Exception as e:
                 self._lost(f"the sharded forward failed ({e!r})")
             self.in_flight += 1
@@ -314,26 +314,31 @@ class DistributedRunner:
         return ExecuteResult(logits, step.groups, hidden)
 
     # ------------------------------------------------------------------------------ LayerSkip
-    @property
-    def can_enter_late(self) -> bool:
-        """LayerSkip's KV reuse (draft.py) needs layers < E and the LM head on every rank: T x 1."""
-        return self.topo.pp == 1
+    def install_late_entry(self, exit_layer: int) -> DistributedRunner | None:
+        """LayerSkip's late entry (serve/runner/late_entry.py) on every rank's runner; this runner
+        is then its proposer's Drafter (draft, num_late_rows). None with pipeline stages: layers < E
+        and the LM head are on different stages (the proposer keeps its mirror draft)."""
+        if self.topo.pp > 1:
+            return None
+        with self._lock:
+            self._command(("late_entry", exit_layer))
+            self.late = install_late_entry(self.local, exit_layer)
+        return self
 
     @property
     def num_late_rows(self) -> int:
         """Rows that entered at LayerSkip's exit layer so far (every rank counts the same)."""
-        return self.local.num_late_rows
+        return 0 if self.late is None else self.late.num_late_rows
 
-    def draft(self, chunks: list[Chunk], exit_layer: int, fresh: bool) -> torch.Tensor:
-        """One LayerSkip draft depth on every rank (one-token chunks, draft.py): the rows' logits
-        [rows, vocab]; each rank keeps the rows' layer-E inputs for the next step."""
-        if not self.can_enter_late:
-            raise ValueError("a LayerSkip draft on the ranks needs one pipeline stage")
-        plan = StepPlan.from_chunks(chunks, self.block_size)
+    def draft(self, chunks: list[Chunk], fresh: bool) -> torch.Tensor:
+        """One LayerSkip draft depth on every rank (one-token chunks): the rows' logits [rows,
+        vocab]; each rank keeps the rows' layer-E inputs for the next step in its own LateEntries."""
+        if self.late is None:
+            raise ValueError("a LayerSkip draft on the ranks needs late entry installed (install_late_entry)")
         with self._lock:
-            number = self._command(("draft", self.tables.encode(chunks, False, True, False), exit_layer, fresh))
+            number = self._command(("draft", self.tables.encode(chunks, False, True, False), fresh))
             try:
-                logits = draft_pass(self.local, plan, chunks, exit_layer, fresh)
+                logits = self.late.draft(chunks, fresh)
             except Exception as e:
                 self._lost(f"the sharded draft failed ({e!r})")
             self._settle(number)
@@ -386,9 +391,8 @@ class DistributedRunner:
                     except WorkerLost:
                         raise
                     except Exception as e:
-                        self._lost(
-                            f"a worker rank did not answer the heartbeat within {self.parallel.distributed_timeout_s} s ({e})"
-                        )
+                        limit = self.parallel.distributed_timeout_s
+                        self._lost(f"a worker rank did not answer the heartbeat within {limit} s ({e})")
             except WorkerLost:
                 pass
             finally:

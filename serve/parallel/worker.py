@@ -22,7 +22,6 @@ first, then stops them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import pickle
@@ -37,17 +36,12 @@ from baton.common.checkpoint import read_config
 from baton.serve.core.faults import EngineFault
 from baton.serve.parallel.comm import ShmGroup, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
-from baton.serve.parallel.draft import draft_pass
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
 from baton.serve.runner.kv_budget import kv_budget_bytes
+from baton.serve.runner.late_entry import LateEntries, install_late_entry
 from baton.serve.runner.model_runner import ModelRunner, kv_block_bytes
-from baton.serve.runner.step_plan import (
-    Chunk,
-    StepPlan,
-    TableReceiver,
-    WireStep,
-)
+from baton.serve.runner.step_plan import StepPlan, TableReceiver
 
 log = logging.getLogger(__name__)
 # A spawned worker starts a Python and imports torch before it can join (seconds on a busy host):
@@ -221,24 +215,21 @@ def _tp_comm(setup: Setup, topo: Topology, device: torch.device):
 
 @torch.inference_mode()
 def run_stage(
-    runner: ModelRunner, plans: list[StepPlan], topo: Topology, late: tuple[list[list[Chunk]], bool] | None = None
+    runner: ModelRunner, plans: list[StepPlan], topo: Topology, positions_in_cache: bool = False
 ) -> tuple[list, list]:
-    """This rank's layers over every micro-batch, in order: from the embedding or the previous
-    stage, to the next stage or the head. Returns (the driver's (logits, hidden) per micro-batch
-    when it is also the last stage, the sends still in flight). With LayerSkip's entries kept
-    (draft.py; T x 1 only), `late` is (each plan's chunks, positions_in_cache): rows enter at E."""
+    """This rank's layers over every micro-batch, in order: from the embedding (the runner's step
+    pass, e.g. LayerSkip's late entry at T x 1) or the previous stage, to the next stage or the head.
+    Returns (the driver's (logits, hidden) per micro-batch when it is also the last stage, the sends
+    still in flight)."""
     shard, cfg = topo.shard, runner.model.config
     tp, pp_rank = shard.tp_rank, shard.pp_rank
     pending, results = [], []
-    entries, runner.late_entries = runner.late_entries, {}
-    for i, plan in enumerate(plans):
-        x = None
-        if not shard.first_stage:
+    for plan in plans:
+        if shard.first_stage:
+            x = runner.forward_step(plan, positions_in_cache)
+        else:  # the last stage's last layer answers the sampled rows alone (model_runner.py)
             x = torch.empty(1, plan.num_tokens, cfg.hidden_size, dtype=runner.dtype, device=runner.device)
             dist.recv(x, src=(pp_rank - 1) * topo.tp + tp)
-        if entries and late is not None:
-            x = runner.forward_late(plan, late[0][i], entries, late[1])
-        else:  # the last stage's last layer answers the sampled rows alone (model_runner.py)
             x = runner.forward(plan, x, sampled_only=runner.answer_sampled_rows)
         if not shard.last_stage:
             pending.append((dist.isend(x, dst=(pp_rank + 1) * topo.tp + tp), x))
@@ -250,7 +241,6 @@ def run_stage(
             for t in (logits, hidden) if plan.return_hidden else (logits,):
                 t = t.contiguous()
                 pending.append((dist.isend(t, dst=0), t))
-    runner.num_executes += 1  # an entry is for the step right after its draft only
     return results, pending
 
 
@@ -271,11 +261,11 @@ def logits_from_last_stage(runner: ModelRunner, plans: list[StepPlan], topo: Top
 
 
 def run_step(
-    runner: ModelRunner, plans: list[StepPlan], topo: Topology, late: tuple[list[list[Chunk]], bool] | None = None
+    runner: ModelRunner, plans: list[StepPlan], topo: Topology, positions_in_cache: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """This rank's part of one step; on the driver, each micro-batch's (logits, hidden) of the
     sampled rows."""
-    results, pending = run_stage(runner, plans, topo, late)
+    results, pending = run_stage(runner, plans, topo, positions_in_cache)
     if topo.rank == 0 and not topo.shard.last_stage:
         results = logits_from_last_stage(runner, plans, topo)
     for work, _ in pending:
@@ -301,24 +291,19 @@ def _receive(topo: Topology) -> tuple:
     return pickle.loads(payload.numpy().tobytes())
 
 
-def _chunks(wire: WireStep, tables: TableReceiver) -> list[Chunk]:
-    """A decoded step's chunks with their whole block tables, as the driver planned them."""
-    return [dataclasses.replace(c, block_table=tables.tables[c.seq_id]) for c in wire.chunks]
-
-
 def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
     tables = TableReceiver()
+    late: LateEntries | None = None  # LayerSkip's late entry, once the driver installs it (T x 1)
     while True:
         cmd = _receive(topo)
         kind = cmd[0]
         if kind == "step":
             plans = [tables.decode(w, runner.block_size) for w in cmd[1]]
-            late = None
-            if runner.late_entries:
-                late = ([_chunks(w, tables) for w in cmd[1]], cmd[1][0].positions_in_cache)
-            run_step(runner, plans, topo, late)
+            run_step(runner, plans, topo, cmd[1][0].positions_in_cache)
         elif kind == "draft":
-            draft_pass(runner, tables.decode(cmd[1], runner.block_size), _chunks(cmd[1], tables), cmd[2], cmd[3])
+            late.draft(tables.decode(cmd[1], runner.block_size).chunks, cmd[2])
+        elif kind == "late_entry":
+            late = install_late_entry(runner, cmd[1])
         elif kind == "ops":
             runner.apply_block_ops(cmd[1])
         elif kind == "move":

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from baton.common.model import CausalLM, fuse_residual_norms, run_layers
@@ -43,13 +43,13 @@ from baton.serve.runner.cpu_layers import bind_head as bind_cpu_head
 from baton.serve.runner.fusion import fuse_projections
 from baton.serve.runner.input_batch import InputBatch
 from baton.serve.runner.state_pool import PagedHybridAttention, Segment, StatePool
-from baton.serve.runner.step_plan import DECODE_ROWS, Chunk, StepPlan
+from baton.serve.runner.step_plan import DECODE_ROWS, StepPlan
 from baton.serve.scheduling.block_manager import BlockOps
 from baton.serve.scheduling.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_ROWS", "ExecuteResult", "LateEntry", "ModelRunner", "kv_block_bytes"]
+__all__ = ["DECODE_ROWS", "ExecuteResult", "ModelRunner", "StepPass", "kv_block_bytes"]
 
 
 @functools.cache
@@ -102,17 +102,11 @@ class ExecuteResult:
     hidden: torch.Tensor | None = None  # [rows, hidden] final hidden states, when asked for (Medusa)
 
 
-@dataclass
-class LateEntry:
-    """Rows of one sequence that enter the next step at layer `ModelRunner.entry_layer`: their
-    hidden states there are known and their K/V below it are in the cache already (LayerSkip's
-    draft, serve/speculative/layerskip.py, computed them at these very slots)."""
+class StepPass(Protocol):
+    """Runs a step's layers its own way, installed on a runner from outside (LayerSkip's late entry,
+    serve/runner/late_entry.py): returns what forward(plan, sampled_only=answer_sampled_rows) would."""
 
-    start: int  # token index of the first row
-    tokens: list[int]
-    hidden: torch.Tensor  # [len(tokens), hidden]: the input of layer entry_layer
-    slots: list[int]  # the cache slots the rows' K/V were written to
-    stamp: int  # ModelRunner.num_executes then: only the next execute may use it
+    def __call__(self, plan: StepPlan, positions_in_cache: bool) -> torch.Tensor: ...
 
 
 class ModelRunner:
@@ -194,11 +188,7 @@ class ModelRunner:
             None if head is None else bind_cpu_head(self.model.model.final_norm, head, self.device, self.dtype)
         )
         self.inputs = InputBatch(self.device)  # the step tensors, block-table rows kept between steps
-        # Rows of the next step that skip the layers below entry_layer (set by a LayerSkip proposer).
-        self.late_entries: dict[int, LateEntry] = {}
-        self.entry_layer = 0
-        self.num_executes = 0
-        self.num_late_rows = 0  # rows that entered late, in all steps so far
+        self.step_pass: StepPass | None = None  # installed from outside; None: forward_step's own way
         # The last layer for the sampled rows only (module docstring): where the runner holds it,
         # the backend is plain paged attention over an unquantized cache (a hybrid's last layer
         # may be a mixer; a quantized cache attends a chunk to its own K/V unrounded).
@@ -267,9 +257,9 @@ class ModelRunner:
     ) -> torch.Tensor:
         """This runner's layers (or the global `layers`, a part of them) over the plan's tokens:
         from the embedding, or from `hidden` [1, T, hidden], the input of the first of them (the
-        previous pipeline stage's output, LayerSkip's rows entering late). Returns [1, T, hidden];
-        with `sampled_only` (where answer_sampled_rows), the sampled rows' alone, [1, S, hidden],
-        when they are fewer."""
+        previous pipeline stage's output; a step pass's rows entering at a later layer). Returns
+        [1, T, hidden]; with `sampled_only` (where answer_sampled_rows), the sampled rows' alone,
+        [1, S, hidden], when they are fewer."""
         input_ids, positions, md = self.inputs.tensors(plan)
         inner = self.model.model
         if inner.inv_freq.device != self.device:
@@ -292,46 +282,12 @@ class ModelRunner:
         finally:
             self.attn.metadata = self.attn.query_rows = None
 
-    @torch.inference_mode()
-    def forward_late(
-        self, plan: StepPlan, chunks: list[Chunk], entries: dict[int, LateEntry], in_cache: bool
-    ) -> torch.Tensor:
-        """The step's forward when some rows enter at entry_layer E: the other rows run layers < E
-        as a sub-batch of their own (each chunk less its late rows, packed in the usual order),
-        then every row's layer-E input, in the plan's row order, runs layers >= E in one pass (the
-        last of them for the sampled rows alone, as in execute)."""
-        low, late_rows, late_hidden, row = [], [], [], 0
-        for c in chunks:  # the plan's, in packing order
-            e, m = entries.get(c.seq_id), 0
-            if e is not None and self._entry_fits(e, c):
-                while m < len(c.tokens) and m < len(e.tokens) and e.tokens[m] == c.tokens[m]:
-                    m += 1
-                late_rows += range(row, row + m)
-                late_hidden.append(e.hidden[:m])
-            if m < len(c.tokens):
-                low.append((dataclasses.replace(c, start=c.start + m, tokens=c.tokens[m:]), row + m))
-            row += len(c.tokens)
-        trim = self.answer_sampled_rows  # the last layer for the sampled rows only, as in execute
-        if not late_rows:
-            return self.forward(plan, sampled_only=trim)
-        low.sort(key=lambda x: (x[0].spec_parents is not None, len(x[0].tokens) > DECODE_ROWS))  # packing order
-        E, cfg = self.entry_layer, self.model.config
-        x = torch.empty(1, plan.num_tokens, cfg.hidden_size, dtype=self.dtype, device=self.device)
-        if low:
-            sub = StepPlan.from_chunks([c for c, _ in low], self.block_size, in_cache, plan.window_in_cache)
-            rows = [r + i for c, r in low for i in range(len(c.tokens))]
-            x[0, torch.tensor(rows, device=self.device)] = self.forward(sub, layers=range(E))[0]
-        x[0, torch.tensor(late_rows, device=self.device)] = torch.cat(late_hidden).to(self.dtype)
-        self.num_late_rows += len(late_rows)
-        return self.forward(plan, x, layers=range(E, cfg.num_hidden_layers), sampled_only=trim)
-
-    def _entry_fits(self, e: LateEntry, c: Chunk) -> bool:
-        """Written for this chunk: this step, from its first token, at the slots its rows have now."""
-        if e.stamp != self.num_executes or c.start != e.start or c.spec_parents is not None:
-            return False
-        bs, first = self.block_size, c.start - c.evicted
-        n = min(len(c.tokens), len(e.tokens))
-        return all(c.block_table[(first + i) // bs] * bs + (first + i) % bs == e.slots[i] for i in range(n))
+    def forward_step(self, plan: StepPlan, positions_in_cache: bool = False) -> torch.Tensor:
+        """Every layer of this runner over the step's rows, from the embedding (the last layer for the
+        sampled rows alone where it can): by the step pass installed from outside, if one is."""
+        if self.step_pass is not None:
+            return self.step_pass(plan, positions_in_cache)
+        return self.forward(plan, sampled_only=self.answer_sampled_rows)
 
     @torch.inference_mode()
     def head(self, plan: StepPlan, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -363,15 +319,7 @@ class ModelRunner:
         plan, groups = self.plan(scheduled, positions_in_cache, window_in_cache, return_hidden)
         if self.state_slots is not None:
             self._begin_states(plan)
-        entries, self.late_entries = self.late_entries, {}
-        try:
-            if entries:
-                x = self.forward_late(plan, plan.chunks, entries, positions_in_cache)
-            else:
-                x = self.forward(plan, sampled_only=self.answer_sampled_rows)
-        finally:
-            self.num_executes += 1
-        logits, hidden = self.head(plan, x)
+        logits, hidden = self.head(plan, self.forward_step(plan, positions_in_cache))
         return ExecuteResult(logits, groups, hidden)
 
     max_in_flight = 1  # in-process: each step runs to its end (Runner.submit is execute)

@@ -13,20 +13,19 @@ token and d_1..d_{k-1} in the engine's block manager (its own new blocks: a bloc
 shares is copied first, as any write does; a prefix-cached block is full and is never written), and
 runs k passes of layers < E, one row per sequence each; the target's prefill already filled layers
 < E of the prompt, and accepted tokens keep what the draft wrote, so nothing is computed twice.
-Each drafted row's layer-E input is handed to the runner (ModelRunner.late_entries): in the
-verification forward those rows enter at layer E, the other rows of the step (d_k, which the draft
-never fed, and every other sequence's prefill or decode) run layers < E as a sub-batch, then all
-rows run layers >= E together. Rejected proposals' slots are trimmed or overwritten later, as in any
-verification; a preempted, truncated or re-slotted sequence simply runs from the embedding (an entry
-is used only in the next forward, for the same tokens at the same slots).
+The drafted rows' layer-E inputs are kept by late entry (serve/runner/late_entry.py), which bind
+installs on the engine's runner: in the verification forward those rows enter at layer E, the
+other rows of the step (d_k, which the draft never fed, and every other sequence's prefill or
+decode) run layers < E as a sub-batch, then all rows run layers >= E together. Rejected proposals'
+slots are trimmed or overwritten later, as in any verification; a preempted, truncated or
+re-slotted sequence simply runs from the embedding (an entry is used only in the next forward, for
+the same tokens at the same slots).
 
-A tensor-parallel engine (DistributedRunner, T x 1) reuses the KV the same way on every rank
-(serve/parallel/draft.py): each draft depth is one small command (the one-token chunks and their
-block-table deltas); every rank runs its shard of layers < E into its own paged cache, the
-vocab-parallel head gives the driver the logits to draw from, and each rank keeps the rows'
-layer-E inputs (replicated: every layer ends in an all-reduce) as its runner's LateEntries, so the
-verification step runs ModelRunner.forward_late on every rank - no hidden state crosses a process,
-and the fallback for a stale entry is the same _entry_fits check on every rank.
+A tensor-parallel engine (DistributedRunner, T x 1) reuses the KV the same way on every rank: the
+driver installs late entry on every rank's runner, each draft depth is one small command (the
+one-token chunks and their block-table deltas), every rank runs its shard of layers < E into its
+own paged cache and keeps the rows' layer-E inputs, and the vocab-parallel head gives the driver
+the logits to draw from - no hidden state crosses a process.
 
 Pipeline-parallel engines (layers < E and the LM head are on different stages) and token trees
 (tree_width > 1) keep the DraftProposer mirror (draft.py), logged at start: a paged cache of
@@ -46,8 +45,9 @@ from baton.common.checkpoint import read_config
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
 from baton.serve.core.sequence import Sequence
-from baton.serve.runner.model_runner import LateEntry, ModelRunner, kv_block_bytes
-from baton.serve.runner.step_plan import Chunk, StepPlan
+from baton.serve.runner.late_entry import Drafter, LateEntryRanks, install_late_entry
+from baton.serve.runner.model_runner import ModelRunner, kv_block_bytes
+from baton.serve.runner.step_plan import Chunk
 from baton.serve.sampler import apply_penalties, target_distributions
 from baton.serve.scheduling.block_manager import BlockManager
 from baton.serve.speculative.config import SpeculativeConfig
@@ -107,6 +107,7 @@ class LayerSkipProposer(DraftProposer):
         self.exit_layer = exit_layer_for(cfg, mcfg)
         self.reuse = cfg.tree_width == 1  # decided in bind, which sees the engine's runner
         self.sharded = False  # reuse on a DistributedRunner: the ranks draft and keep the hidden states
+        self.drafter: Drafter | None = None  # with reuse: late entry on the engine's runner (or its ranks)
         self.runner: ModelRunner | None = None
         self.bm: BlockManager | None = None
         if not self.reuse:
@@ -130,22 +131,27 @@ class LayerSkipProposer(DraftProposer):
     def bind(self, runner, block_manager: BlockManager) -> None:
         if not self.reuse:
             return
-        sharded = getattr(runner, "can_enter_late", None)  # a DistributedRunner's: True at T x 1
-        if type(runner) is not ModelRunner and sharded is None:
+        if isinstance(runner, ModelRunner):  # this process holds the model
+            self.drafter = install_late_entry(runner, self.exit_layer)
+        elif isinstance(runner, LateEntryRanks):  # a sharded model's driver: on every rank, or None
+            self.drafter, self.sharded = runner.install_late_entry(self.exit_layer), True
+        else:
             raise ValueError("LayerSkip KV reuse needs the engine's own ModelRunner or a DistributedRunner")
-        if sharded is False:
-            self.reuse = False
+        if self.drafter is None:
+            self.reuse = self.sharded = False
             self._build_mirror("a pipeline-parallel engine (layers < E and the LM head are on different stages)")
             return
-        self.sharded = bool(sharded)
         self.runner, self.bm = runner, block_manager
-        if not self.sharded:
-            runner.entry_layer = self.exit_layer  # the ranks' runners take E with every draft command
         log.info(
             "LayerSkip E=%d: the draft writes layers < E into the engine's KV cache%s, verification enters at E",
             self.exit_layer,
             " on every tensor rank" if self.sharded else "",
         )
+
+    @property
+    def num_late_rows(self) -> int:
+        """Rows that entered the verification at E so far (0 with the mirror draft)."""
+        return 0 if self.drafter is None else self.drafter.num_late_rows
 
     def _view(self, seq: Sequence) -> Sequence:
         """seq's tokens (the drafts are appended to them) and the draft's own sampling stream."""
@@ -162,13 +168,12 @@ class LayerSkipProposer(DraftProposer):
     def propose(self, seqs: list[Sequence], ks: dict[int, int]) -> None:
         if not self.reuse:
             return super().propose(seqs, ks)
-        runner, bm, E = self.runner, self.bm, self.exit_layer
+        runner, bm = self.runner, self.bm
         live = [s for s in seqs if ks[s.seq_id] > 0 and bm.allocate_slots(s, ks[s.seq_id])]  # pending + d_1..d_{k-1}
         if not live:
             return
         runner.apply_block_ops(bm.take_pending())  # copy-on-write of a shared block before it is written
         views = {s.seq_id: self._view(s) for s in live}
-        hidden: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in live}
         for depth in range(max(ks[s.seq_id] for s in live)):
             batch = [s for s in live if depth < ks[s.seq_id]]
@@ -184,29 +189,14 @@ class LayerSkipProposer(DraftProposer):
                 )
                 for s in batch
             ]
-            if self.sharded:  # the ranks keep each row's layer-E input themselves (parallel/draft.py)
-                logits = runner.draft(chunks, E, fresh=depth == 0)
-            else:
-                x = runner.forward(StepPlan.from_chunks(chunks, bm.block_size), layers=range(E))[0]
-                logits = runner.model.compute_logits(runner.model.model.final_norm(x))
-                for i, s in enumerate(batch):
-                    hidden[s.seq_id].append(x[i])
+            logits = self.drafter.draft(chunks, fresh=depth == 0)  # keeps the rows' layer-E inputs
             tokens, q = self._draw(logits, [views[s.seq_id] for s in batch])
             for i, s in enumerate(batch):
                 views[s.seq_id].token_ids.append(tokens[i])
                 probs[s.seq_id].append(q[i])
-        bs = bm.block_size
         for s in live:
-            k, first = ks[s.seq_id], s.num_computed_tokens - s.num_evicted_tokens
-            drafted = views[s.seq_id].token_ids[s.num_tokens - 1 :]  # the pending token, then d_1..d_k
-            s.spec_token_ids = drafted[1:]
+            s.spec_token_ids = views[s.seq_id].token_ids[s.num_tokens :]  # d_1..d_k
             s.spec_draft_probs = None if s.params.greedy else torch.stack(probs[s.seq_id])
-            if self.sharded:
-                continue
-            slots = [s.block_table[(first + i) // bs] * bs + (first + i) % bs for i in range(k)]
-            runner.late_entries[s.seq_id] = LateEntry(
-                s.num_computed_tokens, drafted[:k], torch.stack(hidden[s.seq_id]), slots, runner.num_executes
-            )
 
     @staticmethod
     def _draw(logits: torch.Tensor, views: list[Sequence]) -> tuple[list[int], list[torch.Tensor | None]]:
@@ -229,6 +219,4 @@ class LayerSkipProposer(DraftProposer):
     def release(self, seq: Sequence) -> None:
         if not self.reuse:
             return super().release(seq)
-        self.mirrors.pop(seq.seq_id, None)
-        if self.runner is not None and not self.sharded:  # the ranks drop theirs with the next step
-            self.runner.late_entries.pop(seq.seq_id, None)
+        self.mirrors.pop(seq.seq_id, None)  # (late entry drops what the next step does not use)

@@ -11,11 +11,12 @@ import dataclasses
 
 import pytest
 import torch
-
 from baton.common.checkpoint import save_model
 from baton.common.config import ModelConfig
 from baton.common.model import build_model
 from baton.serve.engine import EngineConfig, LLMEngine
+from baton.serve.runner.late_entry import install_late_entry
+from baton.serve.runner.model_runner import ModelRunner
 from baton.serve.sampling_params import SamplingParams
 from baton.serve.speculative import SpeculativeConfig
 
@@ -48,7 +49,8 @@ def test_the_draft_is_the_engines_model_cut_at_the_recorded_exit(checkpoints):
     assert proposer.exit_layer == 2  # the checkpoint's first recorded exit
     # the same modules and the same KV cache: no second copy of the weights, no cache of its own
     assert proposer.runner is engine.runner and proposer.bm is engine.block_manager
-    assert engine.runner.entry_layer == 2
+    # late entry is installed on the engine's runner from outside, at the draft's depth
+    assert engine.runner.step_pass is proposer.drafter and proposer.drafter.exit_layer == 2
     assert engine.speculative.config.describe() == "layerskip k=3 exit_layer=recorded"
 
 
@@ -76,7 +78,9 @@ def test_every_row_runs_the_layers_below_the_exit_once(checkpoints):
     assert sum(answered) < rows[2]  # with prompt chunks in a step, the last layer answers its sampled rows alone
     stats = engine.speculative.stats
     assert stats.proposed > 0 and stats.accepted > 0
-    assert engine.runner.num_late_rows >= stats.proposed  # every proposal but the last, and each pending token
+    assert (
+        engine.speculative.proposer.num_late_rows >= stats.proposed
+    )  # every proposal but the last, and each pending token
     assert rows[0] == rows[2], rows
 
 
@@ -89,7 +93,7 @@ def test_the_reused_cache_and_logits_equal_plain_decodings(checkpoints):
     engine = LLMEngine.from_checkpoint(checkpoints / "exits", spec)
     run_staggered_logprobs(engine, PROMPTS, GREEDY, until=12)
     running = [s for s in engine.scheduler.running if s.num_computed_tokens > len(s.prompt_token_ids)]
-    assert running and engine.runner.num_late_rows > 0
+    assert running and engine.speculative.proposer.num_late_rows > 0
     plain = LLMEngine.from_checkpoint(checkpoints / "exits", EngineConfig(num_kv_blocks=64, block_size=4))
     for seq in running:
         n = seq.num_computed_tokens
@@ -108,6 +112,15 @@ def test_the_reused_cache_and_logits_equal_plain_decodings(checkpoints):
     for i in range(len(PROMPTS)):
         assert got[i][0] == want[i][0]
         torch.testing.assert_close(torch.tensor(got[i][1]), torch.tensor(want[i][1]), atol=1e-4, rtol=0)
+
+
+def test_late_entry_is_refused_on_a_runner_without_every_layer():
+    """The step pass runs layers >= E up to the model's last: a pipeline stage's runner cannot take it
+    (such an engine keeps the mirror draft, parallel/test_parallel_layerskip.py)."""
+    stage = ModelRunner(build_model(CFG, seed=0), 4, 4, layers=range(2))
+    with pytest.raises(ValueError, match="needs every layer on one runner"):
+        install_late_entry(stage, 1)
+    assert stage.step_pass is None
 
 
 @pytest.mark.parametrize(

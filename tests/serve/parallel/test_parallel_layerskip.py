@@ -1,6 +1,6 @@
 """LayerSkip's KV reuse on a tensor-parallel (T=2) engine: the draft's layers < E run sharded on
 every rank, into the ranks' own caches, and the verification's drafted rows enter at E from the
-hidden states each rank kept (serve/parallel/draft.py). Against plain decoding (greedy: the same
+hidden states each rank kept (serve/runner/late_entry.py). Against plain decoding (greedy: the same
 tokens) and the single-process reuse path (the same proposals, acceptance and late rows; a seeded
 sampled request draws the same tokens, so the sampled path is the one test_speculative.py checks
 for distribution), with mixed-length prompts arriving at different steps, a shared prefix (prefix
@@ -67,18 +67,22 @@ def test_layerskip_reuses_the_draft_kv_on_tensor_parallel_ranks(model_dir, preem
     ref = tokens(drive(single, _workload(True)))
     assert {k: v for k, v in ref.items() if k != "seeded"} == want
     assert single.scheduler.num_preemptions > 0 and single.block_manager.prefix_hits > 0
-    assert single.speculative.stats.accepted > 0 and single.runner.num_late_rows > 0
+    assert single.speculative.stats.accepted > 0 and single.speculative.proposer.num_late_rows > 0
     with sharded(model_dir, _config(True, preemption), "T2") as llm:
         engine = llm.engine
         got = tokens(drive(engine, _workload(True)))
         runner = check_really_sharded(engine, "T2", weight_bytes(single.model))
         proposer = engine.speculative.proposer
-        assert proposer.sharded and proposer.runner is runner  # no mirror: the engine's own ranks draft
+        assert (
+            proposer.sharded and proposer.runner is proposer.drafter is runner
+        )  # no mirror: the engine's own ranks draft
         stats, late, preempted = engine.speculative.stats, runner.num_late_rows, engine.scheduler.num_preemptions
     assert got == ref
     assert preempted == single.scheduler.num_preemptions > 0
     assert stats == single.speculative.stats
-    assert late == single.runner.num_late_rows > 0  # the reuse path ran, for the very rows it ran for in one process
+    assert (
+        late == single.speculative.proposer.num_late_rows > 0
+    )  # the reuse path ran, for the very rows it ran for in one process
 
 
 def test_layerskip_keeps_the_mirror_draft_on_pipeline_stages(model_dir):

@@ -14,12 +14,13 @@ import typing
 
 from baton.serve.core.structured import StructuredOutputs
 from baton.serve.rpc import invalid
-from baton.serve.sampling_params import SamplingParams
+from baton.serve.sampling_params import SamplingParams, Thinking
 from google.protobuf.message import Message
 
 _HINTS = typing.get_type_hints(SamplingParams)
 _FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 _STRUCTURED = {f.name for f in dataclasses.fields(StructuredOutputs)}
+_THINKING = {f.name for f in dataclasses.fields(Thinking)}
 
 
 def _checked(kwargs: dict, where: str) -> SamplingParams:
@@ -50,6 +51,18 @@ def _structured(value) -> StructuredOutputs:
             f"sampling_parameters.structured: unknown field {unknown[0]!r} (known: {', '.join(sorted(_STRUCTURED))})"
         )
     return StructuredOutputs(**value)
+
+
+def _thinking(value) -> Thinking:
+    """sampling_parameters.thinking: {"end_token_ids": [int, ...], "budget": int | null, "in_thinking": bool}
+    (types are checked by SamplingParams.validate, which names the field)."""
+    if not isinstance(value, dict):
+        raise invalid(f"sampling_parameters.thinking must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _THINKING)
+    if unknown or "end_token_ids" not in value:
+        what = f"unknown field {unknown[0]!r}" if unknown else "end_token_ids is required"
+        raise invalid(f"sampling_parameters.thinking: {what} (known: {', '.join(sorted(_THINKING))})")
+    return Thinking(**value)
 
 
 def _coerce(key: str, value):
@@ -105,5 +118,6 @@ def from_json(text: str) -> SamplingParams:
     unknown = sorted(set(obj) - _FIELDS)
     if unknown:
         raise invalid(f"sampling_parameters: unknown field {unknown[0]!r} (known: {', '.join(sorted(_FIELDS))})")
-    kwargs = {k: _structured(v) if k == "structured" else _coerce(k, v) for k, v in obj.items()}
+    special = {"structured": _structured, "thinking": _thinking}
+    kwargs = {k: special[k](v) if k in special else _coerce(k, v) for k, v in obj.items()}
     return _checked(kwargs, "sampling_parameters")

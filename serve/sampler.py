@@ -360,7 +360,10 @@ def _to_host(*ts: torch.Tensor) -> list[list[float]]:
 def _plain_greedy(seqs: list[Sequence]) -> bool:
     """Every row takes the argmax of its raw logits: no penalty, logprobs or grammar changes it."""
     return all(
-        s.params.greedy and s.params.logprobs is None and s.grammar is None and not _has_penalties(s.params)
+        s.params.greedy
+        and s.params.logprobs is None
+        and (s.grammar is None or not s.grammar.restricts)  # thinking: unmasked until a budget forces
+        and not _has_penalties(s.params)
         for s in seqs
     )
 

@@ -30,6 +30,33 @@ def _finite(value) -> bool:
 
 
 @dataclass
+class Thinking:
+    """A reasoning model's thinking phase at the start of the output (serve/core/structured.py's
+    SequenceGrammar enforces it). While thinking, the structured-output grammar is not applied;
+    once the output ends with `end_token_ids` (the tokenized end-of-thinking marker, e.g. "</think>",
+    possibly several tokens), thinking is over and the grammar applies from the next token, as vLLM
+    applies response_format after reasoning. `budget` (a Baton extra): after that many output tokens
+    still thinking, the marker is forced, token by token."""
+
+    end_token_ids: list[int]
+    budget: int | None = None  # max reasoning tokens; None: unlimited
+    in_thinking: bool = True  # False: the output starts after thinking (the prompt closed it)
+
+    def validate(self, vocab_size: int | None) -> None:
+        ids = self.end_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"thinking.end_token_ids must be a non-empty list of token ids, got {ids!r}")
+        if vocab_size is not None and (bad := [t for t in ids if t >= vocab_size]):
+            raise ValueError(
+                f"thinking.end_token_ids contains {bad[0]!r}, outside the vocabulary (0..{vocab_size - 1})"
+            )
+        if self.budget is not None and not (_is_int(self.budget) and 0 <= self.budget <= _INT32_MAX):
+            raise ValueError(f"thinking.budget must be an integer >= 0 (and < 2**31) or null, got {self.budget!r}")
+        if not isinstance(self.in_thinking, bool):
+            raise ValueError(f"thinking.in_thinking must be true or false, got {self.in_thinking!r}")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1  # parallel samples; they share the prompt's KV blocks (copy-on-write)
     max_tokens: int = 16
@@ -48,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per output token (the sampled one is always included)
     skip_special_tokens: bool = True
     structured: StructuredOutputs | None = None  # constrain the output (serve/core/structured.py)
+    thinking: Thinking | None = None  # the output starts with reasoning: no grammar there, an optional budget
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +126,9 @@ class SamplingParams:
         if self.structured is not None:
             need(isinstance(self.structured, StructuredOutputs), "structured must be a StructuredOutputs")
             self.structured.validate()
+        if self.thinking is not None:
+            need(isinstance(self.thinking, Thinking), "thinking must be a Thinking")
+            self.thinking.validate(vocab_size)
 
     @property
     def greedy(self) -> bool:

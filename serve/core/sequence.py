@@ -66,7 +66,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_parents: list[int] | None = None  # tree: parent index of each proposal (-1 = the last real token)
     spec_draft_probs: torch.Tensor | None = None
-    grammar: "SequenceGrammar | None" = None  # structured outputs: its matcher (serve/core/structured.py)
+    grammar: "SequenceGrammar | None" = None  # thinking, then structured outputs (serve/core/structured.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

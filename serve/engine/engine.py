@@ -82,7 +82,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
         states = None
         # KV groups: a model mixing sliding-window and full layers frees the sliding ones' old blocks
-        window = kv_group_window(config, mcfg, sharded=runner is not None)
+        window = kv_group_window(config, mcfg)
         if runner is None:
             pools = plan_model_pools(config, model, window)
             states = pools.states
@@ -227,8 +227,7 @@ class LLMEngine:
             arrival_time if arrival_time is not None else time.monotonic(),
         )
         seq.make_generator()
-        if params.structured is not None:
-            seq.grammar = self.grammars.matcher(params.structured)
+        seq.grammar = self.grammars.sequence_grammar(params)  # structured outputs after any thinking
         self.requests[request_id] = RequestState(
             request_id,
             prompt if isinstance(prompt, str) else None,

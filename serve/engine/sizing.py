@@ -9,7 +9,10 @@ A model that mixes sliding-window and full layers keeps two KV groups (serve/sch
 `kv_group_window` says when): the sliding layers' pool gets what max_num_seqs sequences can hold of
 it at once - each its window and a partial block at both ends, plus one step's tokens - as no more
 is ever used, and never more blocks than the full layers' (which then hold more tokens for the
-same bytes); the full layers' pool gets the rest. Host swap space is split the same way."""
+same bytes); the full layers' pool gets the rest. Host swap space is split the same way. A sharded
+model's ranks split it the same way over their own layers and heads (serve/parallel/worker.py) into
+one pair of counts that fits every rank (`group_split`): both groups' block ids name the same blocks
+on every rank."""
 
 from __future__ import annotations
 
@@ -67,9 +70,10 @@ def plan_pools(config: EngineConfig, mcfg: ModelConfig, block_bytes: int, dtype:
     return Pools(int(num_blocks), config.swap_space_bytes // block_bytes if swap else 0)
 
 
-def kv_group_window(config: EngineConfig, mcfg: ModelConfig, sharded: bool = False) -> int | None:
+def kv_group_window(config: EngineConfig, mcfg: ModelConfig) -> int | None:
     """The window, when the model's sliding-window layers get a KV group of their own: the model
-    has both sliding and full attention layers, served in this process by the plain runner; else
+    has both sliding and full attention layers, served by the plain runner, in this process or
+    sharded (the workers hold both groups' tables); else
     None (a model that mixes them logs why every layer keeps every token)."""
     attn = [i for i in range(mcfg.num_hidden_layers) if mcfg.is_attention_layer(i)]
     sliding = sum(mcfg.is_sliding(i) for i in attn)
@@ -81,7 +85,6 @@ def kv_group_window(config: EngineConfig, mcfg: ModelConfig, sharded: bool = Fal
             why
             for off, why in (
                 (not config.kv_cache_groups, "kv_cache_groups is off"),
-                (sharded, "the sharded workers keep one block table for every layer so far"),
                 (config.streaming, "StreamingLLM evicts the same blocks from every layer"),
                 (config.early_exit_threshold is not None, "CALM early exit's runner reads one set of block tables"),
                 (spec is not None and spec.method == "layerskip", "LayerSkip's draft reuses the full layers' slots"),
@@ -96,28 +99,40 @@ def kv_group_window(config: EngineConfig, mcfg: ModelConfig, sharded: bool = Fal
     return mcfg.sliding_window
 
 
+def window_demand(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, window: int) -> int:
+    """The most blocks the sliding layers ever use (module docstring): max_num_seqs windows, each
+    with a partial block at both ends, and one step's tokens."""
+    return max_num_seqs * (-(-(window - 1) // block_size) + 2) + -(-max_num_batched_tokens // block_size)
+
+
+def group_split(ranks: list[tuple[int, int, int]], demand: int) -> tuple[int, int]:
+    """(full blocks, sliding blocks) that fit every rank's (budget, a block's bytes over its full
+    layers, over its sliding layers): the sliding pool what `demand` asks, but never more blocks
+    than the full pool then has on any rank; the full pool the rest. One process is one rank; a
+    pipeline stage without layers of a group has 0 bytes for it and no say in that group's count."""
+    n_window = min([demand] + [budget // (full + window) for budget, full, window in ranks if full + window])
+    n_full = min(((budget - n_window * window) // full for budget, full, window in ranks if full), default=0)
+    return n_full, n_window
+
+
 def plan_group_pools(
     config: EngineConfig, mcfg: ModelConfig, full_bytes: int, window_bytes: int, window: int, device
 ) -> Pools:
     """The two groups' pools (module docstring): full_bytes and window_bytes are a block's bytes
     over the full and the sliding layers; num_kv_blocks, when given, is the full layers' count."""
     bs, sched = config.block_size, config.scheduler
-    demand = sched.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-sched.max_num_batched_tokens // bs)
-
-    def split(budget: int) -> tuple[int, int]:
-        n_window = min(demand, budget // (full_bytes + window_bytes))
-        return (budget - n_window * window_bytes) // full_bytes, n_window
-
+    demand = window_demand(bs, sched.max_num_seqs, sched.max_num_batched_tokens, window)
     if config.num_kv_blocks is not None:
         num_blocks, num_window = config.num_kv_blocks, min(config.num_kv_blocks, demand)
     else:
         budget = budget_bytes(config, mcfg, device)
-        num_blocks, num_window = split(budget)
+        num_blocks, num_window = group_split([(budget, full_bytes, window_bytes)], demand)
         if num_window < 1:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds no {full_bytes}+{window_bytes}-byte block of the two groups"
             )
-    host, host_window = split(config.swap_space_bytes) if sched.preemption_mode == "swap" else (0, 0)
+    swap = sched.preemption_mode == "swap"
+    host, host_window = group_split([(config.swap_space_bytes, full_bytes, window_bytes)], demand) if swap else (0, 0)
     log.info(
         "KV groups: %d blocks of %d bytes for the full layers, %d of %d bytes for the sliding-window layers "
         "(window %d); host swap %d + %d blocks",

@@ -5,7 +5,7 @@ shard.py     shard_model(): a rank's part of the model, cut from outside the sha
 loader.py    load_shard(): that part read slice by slice from the safetensors files
 driver.py    DistributedRunner: the driver's Runner, every step run on all ranks
 worker.py    worker_main (every other rank) and what the driver shares with it
-draft.py     LayerSkip's draft pass across ranks
+tables.py    both KV groups' block tables on their way to the workers, as deltas
 comm.py      the shared-memory tensor-parallel group for ranks on one CPU host
 """
 
@@ -15,7 +15,6 @@ import os
 from pathlib import Path
 
 import torch
-
 from baton.common.checkpoint import read_config, verify_hashes
 from baton.common.errors import UserError
 from baton.common.launch import Launch, read_launch
@@ -64,6 +63,7 @@ def check_layout(path: str | Path, par: ParallelConfig, device: str, launch: Lau
 
 def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torch.dtype | None = None):
     """The driver side: check, spawn (or join) the workers, load every shard; the DistributedRunner."""
+    from baton.serve.engine.sizing import kv_group_window
     from baton.serve.parallel.driver import DistributedRunner
     from baton.serve.parallel.worker import KVSizing, Setup
 
@@ -88,6 +88,7 @@ def start_distributed(path: str | Path, config, device: str = "cpu", dtype: torc
         config.swap_space_bytes if swap else 0,
         config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs,
+        kv_group_window(config, read_config(path)),  # the engine asks the same of the same config
     )
     threads = max(1, (os.cpu_count() or 1) // local)
     setup = Setup(

@@ -35,6 +35,7 @@ from baton.common.errors import UserError
 from baton.serve.core.sequence import Sequence
 from baton.serve.parallel.comm import pid_running
 from baton.serve.parallel.config import ParallelConfig
+from baton.serve.parallel.tables import GroupTableSender
 from baton.serve.parallel.worker import (
     SPAWN_S,
     Setup,
@@ -51,13 +52,7 @@ from baton.serve.parallel.worker import (
 )
 from baton.serve.runner.late_entry import LateEntries, install_late_entry
 from baton.serve.runner.model_runner import ExecuteResult
-from baton.serve.runner.step_plan import (
-    Chunk,
-    StepPlan,
-    TableSender,
-    plan_chunks,
-    split_for_pipeline,
-)
+from baton.serve.runner.step_plan import Chunk, StepPlan, plan_chunks, split_for_pipeline
 from baton.serve.scheduling.block_manager import BlockOps
 
 log = logging.getLogger(__name__)
@@ -130,7 +125,7 @@ class DistributedRunner:
                 proc.start()
                 self.procs.append(proc)
         self._lock = threading.Lock()
-        self.tables = TableSender()  # the block tables the workers hold, sent as deltas
+        self.tables = GroupTableSender()  # the block tables the workers hold (both KV groups'), sent as deltas
         self._posted: deque[tuple[int, list]] = deque()  # commands posted, not yet known taken
         self._posted_n = 0
         self.in_flight = 0  # steps submitted, not collected
@@ -164,6 +159,9 @@ class DistributedRunner:
         self.model_config: ModelConfig = self.local.model.config
         self.device, self.dtype, self.block_size = self.local.device, self.local.dtype, self.local.block_size
         self.num_blocks, self.num_host_blocks = self.local.num_blocks, self.local.num_host_blocks
+        # KV groups: the sliding-window layers' pools, the same size on every rank (0: one group)
+        self.num_window_blocks = self.local.num_window_blocks
+        self.num_window_host_blocks = self.local.num_window_host_blocks
         self._last = time.monotonic()
         self._heartbeat = threading.Thread(target=self._beat, name="baton-heartbeat", daemon=True)
         self._heartbeat.start()
@@ -248,7 +246,10 @@ class DistributedRunner:
             time.sleep(0.01)
 
     def apply_block_ops(self, ops: BlockOps) -> None:
-        if not (ops.swap_out or ops.swap_in or ops.copies or ops.rerotations):
+        w = ops.window  # KV groups: the sliding-window layers' swaps and copies
+        if not (ops.swap_out or ops.swap_in or ops.copies or ops.rerotations) and not (
+            w is not None and (w.swap_out or w.swap_in or w.copies)
+        ):
             return
         with self._lock:
             self._command(("ops", ops))
@@ -260,12 +261,14 @@ class DistributedRunner:
     def keep_state(self, seq_id: int, num_accepted: int) -> None:
         """Sharded models keep no recurrent state: hybrids are served on one process (serve/engine/rules.py)."""
 
-    def move_slots(self, src: list[int], dst: list[int]) -> None:
-        if not src:
+    def move_slots(
+        self, src: list[int], dst: list[int], window_src: list[int] | None = None, window_dst: list[int] | None = None
+    ) -> None:
+        if not src and not window_src:
             return
         with self._lock:
-            self._command(("move", src, dst))
-            self.local.move_slots(src, dst)
+            self._command(("move", src, dst, window_src, window_dst))
+            self.local.move_slots(src, dst, window_src, window_dst)
 
     def submit(
         self,

@@ -34,14 +34,16 @@ import torch
 import torch.distributed as dist
 from baton.common.checkpoint import read_config
 from baton.serve.core.faults import EngineFault
+from baton.serve.engine.sizing import Pools, group_split, window_demand
 from baton.serve.parallel.comm import ShmGroup, shared_memory_usable
 from baton.serve.parallel.config import ParallelConfig
 from baton.serve.parallel.loader import load_shard, weight_bytes
 from baton.serve.parallel.shard import Shard
+from baton.serve.parallel.tables import GroupTableReceiver
 from baton.serve.runner.kv_budget import kv_budget_bytes
 from baton.serve.runner.late_entry import LateEntries, install_late_entry
 from baton.serve.runner.model_runner import ModelRunner, kv_block_bytes
-from baton.serve.runner.step_plan import StepPlan, TableReceiver
+from baton.serve.runner.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 # A spawned worker starts a Python and imports torch before it can join (seconds on a busy host):
@@ -66,6 +68,7 @@ class KVSizing:
     swap_space_bytes: int  # per rank; 0 without swap preemption
     max_num_batched_tokens: int
     max_num_seqs: int
+    window: int | None = None  # KV groups (kv_group_window's): the sliding layers' pool of their own
 
 
 @dataclass
@@ -163,10 +166,14 @@ def build_runner(setup: Setup, topo: Topology) -> ModelRunner:
     kv_heads = model.model.layers[layers[0]].self_attn.num_kv_heads
     p = next(model.parameters())
     kv = setup.kv
-    block_bytes = kv_block_bytes(model, kv.block_size, p.dtype, kv.kv_cache_dtype, len(layers), kv_heads)
-    if kv.num_kv_blocks is not None:
-        blocks = kv.num_kv_blocks
-    else:
+    # KV groups: a block's bytes over this rank's full layers and over its sliding ones (none: all full)
+    sliding = sum(bool(kv.window) and cfg.is_sliding(i) for i in layers if cfg.is_attention_layer(i))
+    full_bytes, window_bytes = (
+        kv_block_bytes(model, kv.block_size, p.dtype, kv.kv_cache_dtype, n, kv_heads)
+        for n in (len(layers) - sliding, sliding)
+    )
+    budget = None
+    if kv.num_kv_blocks is None:
         budget = kv_budget_bytes(
             device,
             cfg,
@@ -179,20 +186,57 @@ def build_runner(setup: Setup, topo: Topology) -> ModelRunner:
             tp=topo.tp,
             ranks_on_host=topo.local_world,
         )
-        blocks = budget // block_bytes
     via = "shm" if isinstance(comm, ShmGroup) else "gloo/nccl" if comm is not None else "-"
-    mine = (blocks, kv.swap_space_bytes // block_bytes, weight_bytes(model), block_bytes, via)
+    mine = (budget, full_bytes, window_bytes, weight_bytes(model), via)
     every: list = [None] * topo.world
     dist.all_gather_object(every, mine, group=topo.cpu_group)
-    num_blocks, num_host = min(e[0] for e in every), min(e[1] for e in every)
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget holds no block on some rank (per-rank block: {block_bytes} bytes)")
+    pools = agree_pools(kv, [e[:3] for e in every])
     topo.stats = {
-        "weight_bytes": [e[2] for e in every],
-        "kv_block_bytes": [e[3] for e in every],
+        "weight_bytes": [e[3] for e in every],
+        "kv_block_bytes": [e[1] + e[2] for e in every],  # one block over all of the rank's layers
+        # the rank's device KV pools: with KV groups, its sliding layers' are the smaller pool's
+        "kv_bytes": [pools.num_blocks * e[1] + pools.num_window_blocks * e[2] for e in every],
         "tp_collectives": [e[4] for e in every],  # per rank: shared memory, the process group, or none (T=1)
     }
-    return ModelRunner(model, num_blocks, kv.block_size, num_host, kv.kv_cache_dtype, layers=layers)
+    if topo.rank == 0 and kv.window:
+        log.info(
+            "KV groups on %d ranks: %d blocks for the full layers, %d for the sliding-window layers (window %d); "
+            "host swap %d + %d; KV bytes per rank %s",
+            topo.world, pools.num_blocks, pools.num_window_blocks, kv.window, pools.num_host_blocks,
+            pools.num_window_host_blocks, topo.stats["kv_bytes"],
+        )  # fmt: skip
+    return ModelRunner(
+        model, pools.num_blocks, kv.block_size, pools.num_host_blocks, kv.kv_cache_dtype, layers=layers,
+        window_blocks=pools.num_window_blocks, window_host_blocks=pools.num_window_host_blocks,
+    )  # fmt: skip
+
+
+def agree_pools(kv: KVSizing, ranks: list[tuple[int | None, int, int]]) -> Pools:
+    """One set of pool sizes for every rank, from each rank's (KV budget, a block's bytes over its
+    full layers, over its sliding layers): the block manager's block ids mean the same blocks on
+    every rank, so the smallest rank's capacity wins. With KV groups the split is the single
+    process's (serve/engine/sizing.py), over every rank at once."""
+    swap = kv.swap_space_bytes
+    if not kv.window:
+        sizes = [full for _, full, _ in ranks]
+        num_blocks = kv.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = min(budget // full for budget, full, _ in ranks)
+        if num_blocks < 1:
+            raise ValueError(f"the KV budget holds no block on some rank (per-rank block: {sizes} bytes)")
+        return Pools(num_blocks, min(swap // full for full in sizes))
+    demand = window_demand(kv.block_size, kv.max_num_seqs, kv.max_num_batched_tokens, kv.window)
+    if kv.num_kv_blocks is not None:
+        num_blocks, num_window = kv.num_kv_blocks, min(kv.num_kv_blocks, demand)
+    else:
+        num_blocks, num_window = group_split(ranks, demand)
+        if num_window < 1:
+            sizes = [(full, window) for _, full, window in ranks]
+            raise ValueError(
+                f"the KV budget holds no block of the two KV groups on some rank (per-rank: {sizes} bytes)"
+            )
+    host, host_window = group_split([(swap, full, window) for _, full, window in ranks], demand)
+    return Pools(num_blocks, host, None, num_window, host_window)
 
 
 def _tp_comm(setup: Setup, topo: Topology, device: torch.device):
@@ -292,7 +336,7 @@ def _receive(topo: Topology) -> tuple:
 
 
 def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
-    tables = TableReceiver()
+    tables = GroupTableReceiver()
     late: LateEntries | None = None  # LayerSkip's late entry, once the driver installs it (T x 1)
     while True:
         cmd = _receive(topo)
@@ -307,7 +351,7 @@ def _serve_commands(runner: ModelRunner, topo: Topology) -> None:
         elif kind == "ops":
             runner.apply_block_ops(cmd[1])
         elif kind == "move":
-            runner.move_slots(cmd[1], cmd[2])
+            runner.move_slots(*cmd[1:])
         elif kind == "ping":
             answer_heartbeat(topo)
         elif kind == "stop":

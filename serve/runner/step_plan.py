@@ -246,7 +246,7 @@ class WireStep:
     """A step as it travels to the workers: the chunks with each block table sent as a delta
     against the table the workers already hold for that sequence (the blocks kept from the front,
     then the new tail: usually nothing or one new block), and the sequences to forget. (A chunk's
-    window_table, KV groups, would travel whole; the sharded engine serves one group so far.)"""
+    window_table, KV groups, travels whole here; serve/parallel/tables.py sends it as a delta too.)"""
 
     chunks: list[Chunk]  # block_table holds only the new tail
     keep: list[int]  # per chunk: leading blocks of the previous table that stay

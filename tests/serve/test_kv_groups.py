@@ -12,6 +12,8 @@ both groups is back in its pool at the end.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -63,10 +65,8 @@ def prompts() -> list[list[int]]:
     return own + [shared + p for p in own]
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    """(Baton checkpoint, transformers' greedy continuations of prompts())."""
-    tmp = tmp_path_factory.mktemp("gemma3-kv-groups")
+def make_gemma3(tmp: Path):
+    """(transformers model, Baton checkpoint) of the Gemma 3 above (tests/serve/parallel serve it sharded)."""
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(**{**BASE, **GEMMA3}))
     hf = hf.float().eval()
@@ -77,6 +77,13 @@ def gemma3(tmp_path_factory):
         # Gemma scales the embedding by sqrt(hidden): a smaller one gives greedy runs that do not repeat a token
         hf.model.embed_tokens.weight.mul_(0.25)
     hf.save_pretrained(tmp / "hf")
+    return hf, import_hf(tmp / "hf", tmp / "baton")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """(Baton checkpoint, transformers' greedy continuations of prompts())."""
+    hf, ckpt = make_gemma3(tmp_path_factory.mktemp("gemma3-kv-groups"))
     expected = []
     for p in prompts():
         ids = torch.tensor([p])
@@ -85,7 +92,7 @@ def gemma3(tmp_path_factory):
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
         expected.append(out[0, len(p) :].tolist())
-    return import_hf(tmp / "hf", tmp / "baton"), expected
+    return ckpt, expected
 
 
 def assert_all_free(engine: LLMEngine) -> None:
@@ -221,7 +228,6 @@ def test_groups_only_where_the_model_mixes_layer_kinds(gemma3, tmp_path):
     mcfg = read_config(ckpt)
     assert kv_group_window(EngineConfig(), mcfg) == WINDOW
     assert kv_group_window(EngineConfig(kv_cache_groups=False), mcfg) is None
-    assert kv_group_window(EngineConfig(), mcfg, sharded=True) is None
     assert kv_group_window(EngineConfig(streaming_window_tokens=64), mcfg) is None
     mcfg.layer_types = ["sliding_attention"] * 6  # all sliding (Mistral): SlidingWindowPolicy's
     assert kv_group_window(EngineConfig(), mcfg) is None

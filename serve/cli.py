@@ -16,6 +16,8 @@ from pathlib import Path
 
 from baton.common.cli import corpus_args, corpus_config
 from baton.serve import engine_flags
+from baton.serve.openai.reasoning import REASONING_PARSERS
+from baton.serve.openai.tool_parsers import TOOL_PARSERS
 
 ENGINE_COMMANDS = ("serve", "generate")
 
@@ -53,6 +55,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """Serve (rank 0, or a plain process) or, on the other ranks of a torchrun/srun job, run a worker."""
+    from baton.serve.openai.tool_calling import AgentConfig
     from baton.serve.parallel import check_layout, launched_rank, rendezvous
     from baton.serve.runtime import Limits
     from baton.serve.server import ServerConfig, run
@@ -98,7 +101,14 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         limits=limits,
         engine=engine,
+        agents=AgentConfig(
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            reasoning_parser=args.reasoning_parser,
+            chat_template=args.chat_template,
+        ),
     )
+    config.agents.validate()  # unknown parser names are refused before anything binds or loads
     if args.coe is not None:
         from baton.serve.coe.server import CoEServer, coe_server_config
 
@@ -307,6 +317,27 @@ def register(sub: argparse._SubParsersAction, command: str | None) -> None:
     p.add_argument("--max-stop-chars", type=int, default=256, help="longest stop string accepted, in characters")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="most stop_token_ids per request")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    agents = p.add_argument_group("tool calling and reasoning (the HTTP API; vLLM's flags, docs/agents.md)")
+    agents.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='parse the calls a model chooses to make (tool_choice "auto", the default with tools)',
+    )
+    agents.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default=None,
+        help=f"the tool-call format: {', '.join(TOOL_PARSERS)} (default: the checkpoint family's)",
+    )
+    agents.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        default=None,
+        help=f"return a thinking model's reasoning as reasoning_content: {', '.join(REASONING_PARSERS)} (default: off)",
+    )
+    agents.add_argument(
+        "--chat-template", metavar="FILE", default=None, help="a jinja chat template replacing the checkpoint's"
+    )
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="cast weights on load")
     p.add_argument("--device", default="cpu")
     engine_flags.engine_flags(p, full=command == "serve")

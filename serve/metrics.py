@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from baton.serve.core.stats import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from baton.serve.grammar import GrammarCacheStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -113,6 +116,28 @@ class EngineCollector:
             yield by_depth
 
 
+class GrammarCollector:
+    """Scrape-time counters of the engine's compiled-grammar cache (serve/grammar.GrammarCache), by
+    spec kind: "structural_tag" is tool calling's tool sets, "json" response_format schemas, ...
+    `read()` returns its GrammarCacheStats (the cache takes its own lock)."""
+
+    def __init__(self, read: Callable[[], GrammarCacheStats]):
+        self._read = read
+
+    def collect(self):
+        s = self._read()
+        families = {
+            "baton_grammar_cache_hits": ("Requests admitted with their grammar already compiled", s.hits),
+            "baton_grammar_cache_misses": ("Requests that compiled their grammar", s.misses),
+            "baton_grammar_compile_seconds": ("Seconds spent compiling grammars", s.compile_seconds),
+        }
+        for name, (doc, by_kind) in families.items():
+            family = CounterMetricFamily(name, f"Structured outputs: {doc}, by kind", labels=["kind"])
+            for kind, value in sorted(by_kind.items()):
+                family.add_metric([kind], value)
+            yield family
+
+
 class ServerMetrics:
     def __init__(self, read_engine: Callable[[], EngineStats | None]):
         self.registry = CollectorRegistry()
@@ -134,8 +159,22 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        # tool calling (serve/openai/tool_calling.py), by --tool-call-parser name
+        self.tool_calls = Counter(
+            "baton_tool_calls", "Tool calls returned to clients, by parser", ["parser"], registry=self.registry
+        )
+        self.tool_call_parse_failures = Counter(
+            "baton_tool_call_parse_failures",
+            'Answers under tool_choice "auto" where a call was started but did not parse (returned as content)',
+            ["parser"],
+            registry=self.registry,
+        )
         self.registry.register(EngineCollector(read_engine))
         self._http = None
+
+    def watch_grammars(self, read: Callable[[], GrammarCacheStats]) -> None:
+        """Export the engine's grammar cache counters (once the engine is loaded)."""
+        self.registry.register(GrammarCollector(read))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port (port 0 picks a free one)."""

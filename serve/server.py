@@ -26,6 +26,7 @@ from baton.serve.baton_service import BatonService
 from baton.serve.engine import EngineConfig, LLMEngine
 from baton.serve.gate import Gate
 from baton.serve.kserve import KServeService
+from baton.serve.openai.tool_calling import AgentConfig
 from baton.serve.quantization.loader import quantization_config
 from baton.serve.runtime import Limits, Runtime
 
@@ -50,6 +51,7 @@ class ServerConfig:
     dtype: str | None = None  # float32 | float16 | bfloat16; default: the checkpoint's
     limits: Limits = field(default_factory=Limits)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    agents: AgentConfig = field(default_factory=AgentConfig)  # tool calling and reasoning (the HTTP API's)
 
     def validate(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -59,6 +61,7 @@ class ServerConfig:
         if self.drain_timeout_s < 0:
             raise ValueError("the drain timeout must be >= 0 seconds")
         self.limits.validate()
+        self.agents.validate()
 
 
 class BatonServer:
@@ -117,7 +120,7 @@ class BatonServer:
 
             tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
             try:
-                self._http = HttpFront(self.rt, cfg.model, cfg.host, cfg.http_port, cfg.auth_token, tls)
+                self._http = HttpFront(self.rt, cfg.model, cfg.host, cfg.http_port, cfg.auth_token, tls, cfg.agents)
                 await self._http.start()
             except ValueError:
                 await server.stop(None)
@@ -142,7 +145,9 @@ class BatonServer:
         q = quantization_config(cfg.model)
         self.rt.quantization = "none" if q is None else f"{q.get('method')} {q.get('format')}"
         if self._http is not None:
-            await asyncio.to_thread(self._http.prepare)  # the chat template, before the first request
+            # the chat template and the tool/reasoning parsers, before the first request
+            await asyncio.to_thread(self._http.prepare, self._engine.engine)
+        self.rt.metrics.watch_grammars(self._engine.engine.grammars.stats)
         await self.rt.attach(self._engine)
         self._log_ready()
 

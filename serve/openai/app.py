@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /health.
 
 FastAPI (on Starlette, served by uvicorn; see serve/openai/http_server.py) because it is the
 maintained ASGI stack that vLLM and SGLang also build their OpenAI fronts on: pydantic request
@@ -6,6 +6,8 @@ models, and server-sent events through StreamingResponse, with client disconnect
 cancellation (which aborts the engine request and frees its KV blocks). Every generation goes
 through serve/runtime.Runtime, as gRPC calls do: the same limits, admission (429 when full),
 metrics and request log line. Errors are OpenAI's JSON {"error": {message, type, param, code}}.
+Chat (and /v1/responses, serve/openai/responses_api.py) runs each request as a
+serve/openai/tool_calling.ChatTurn: tools, tool_choice and reasoning (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from baton.serve.async_engine import EngineDeadError, RequestFailedError
+from baton.serve.engine import LLMEngine
 from baton.serve.openai import responses as R
-from baton.serve.openai.chat import NoChatTemplate, chat_template
+from baton.serve.openai.chat import NoChatTemplate
 from baton.serve.openai.echo import prompt_logprobs
 from baton.serve.openai.gate import HttpGate, PeerContext
 from baton.serve.openai.protocol import (
@@ -39,6 +42,8 @@ from baton.serve.openai.protocol import (
     sampling_params,
     sse,
 )
+from baton.serve.openai.responses_api import ResponsesRoute
+from baton.serve.openai.tool_calling import AgentConfig, Agents, ChatTurn
 from baton.serve.outputs import RequestOutput
 from baton.serve.rpc import RpcError
 from baton.serve.runtime import Runtime, note_error
@@ -53,7 +58,7 @@ HTTP_STATUS = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
     grpc.StatusCode.UNAVAILABLE: 503,
 }
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/responses")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -141,13 +146,17 @@ async def _merge(firsts: list[RequestOutput], gens: list) -> AsyncIterator[tuple
 
 
 class OpenAIFront:
-    def __init__(self, runtime: Runtime, model_dir: str, auth_token: str | None = None):
+    def __init__(
+        self, runtime: Runtime, model_dir: str, auth_token: str | None = None, agents: AgentConfig | None = None
+    ):
         self.rt, self.model_dir, self.auth_token = runtime, model_dir, auth_token
+        self.agent_config = agents or AgentConfig()
+        self.agents: Agents | None = None  # built by prepare(), when the model has loaded
 
-    def prepare(self) -> None:
-        """Load and compile the chat template now, not inside the first chat requests (several at
-        once on a fresh server raced transformers' first import)."""
-        chat_template(self.model_dir)
+    def prepare(self, engine: LLMEngine) -> None:
+        """Load and compile the chat template and the parsers now, not inside the first chat
+        requests (several at once on a fresh server raced transformers' first import)."""
+        self.agents = Agents(self.agent_config, self.model_dir, engine.tokenizer, engine.eos_ids, self.rt.metrics)
 
     def app(self) -> FastAPI:
         app = FastAPI(title="Baton OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
@@ -172,6 +181,7 @@ class OpenAIFront:
         app.post("/v1/chat/completions")(self.chat)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
+        ResponsesRoute(self, error_response).register(app)  # POST /v1/responses, GET/DELETE /v1/responses/{id}
         return app
 
     # ------------------------------------------------------------------------------ routes
@@ -243,15 +253,19 @@ class OpenAIFront:
         fields = set(ChatCompletionRequest.model_fields)
         try:
             self.rt.check_model(req.model)
-            if req.tools:
-                raise BadParam("tools are not supported by this server", "tools")
             if req.top_logprobs is not None and not req.logprobs:
                 raise BadParam("top_logprobs needs logprobs: true", "top_logprobs")
-            tok = self.rt.core.tokenizer
-            if tok is None:
+            if self.rt.core.tokenizer is None:
                 raise BadParam("this model has no tokenizer: chat needs one", "messages")
-            text = await asyncio.to_thread(chat_template(self.model_dir).render, req.messages)
-            ids = tok.encode(text)
+            turn = self.agents.turn(
+                req.messages,
+                tools=req.tools,
+                tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls,
+                chat_template_kwargs=req.chat_template_kwargs,
+                thinking_budget=req.thinking_token_budget,
+            )
+            ids = await asyncio.to_thread(turn.render)
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             if max_tokens is None:  # OpenAI's default: what the context leaves
                 max_tokens = max(1, min(self.rt.limits.max_output_tokens, self.rt.core.max_model_len - len(ids)))
@@ -264,26 +278,30 @@ class OpenAIFront:
                     if (e.param == "logprobs")
                     else e
                 )
+            turn.apply(params)
             gens = [self._generate("openai/v1/chat/completions", ids, params, http)]
-            firsts = await _prime(gens)
+            firsts = await _prime_turn(turn, gens)
             rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
             if req.stream:
                 usage = req.stream_options is not None and req.stream_options.include_usage
                 head = R.header(rid, "chat.completion.chunk", created, self.rt.model_name)
-                body = self._chat_events(head, firsts[0], gens[0], params, usage)
+                body = self._chat_events(head, firsts[0], gens[0], params, turn, usage)
                 return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
             out = await self._last(firsts[0], gens[0])
         except Exception as e:  # noqa: BLE001
             return error_response(e, fields)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": None if k is None else R.chat_logprobs(tok, c.token_ids, R.new_logprobs(c, c.token_ids), k),
-                "finish_reason": c.finish_reason,
-            }
-            for c in out.outputs
-        ]
+        tok, choices = self.rt.core.tokenizer, []
+        for c in out.outputs:
+            result = turn.parse(c)
+            lp = None if k is None else R.chat_logprobs(tok, c.token_ids, R.new_logprobs(c, c.token_ids), k)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": result.to_chat(turn.with_reasoning),
+                    "logprobs": lp,
+                    "finish_reason": result.finish_reason,
+                }
+            )
         head = R.header(rid, "chat.completion", created, self.rt.model_name)
         return JSONResponse({**head, "choices": choices, "usage": R.usage([out])})
 
@@ -357,10 +375,11 @@ class OpenAIFront:
             yield sse(_error_event(e))
         yield DONE
 
-    async def _chat_events(self, head, first, gen, params, usage: bool) -> AsyncIterator[bytes]:
+    async def _chat_events(self, head, first, gen, params, turn: ChatTurn, usage: bool) -> AsyncIterator[bytes]:
         tok, last = self.rt.core.tokenizer, first
         extra = {"usage": None} if usage else {}
         k = params.logprobs
+        streams = [turn.stream() for _ in range(params.n)]  # each choice its own parser state
         try:
             roles = [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -373,16 +392,14 @@ class OpenAIFront:
                 for c in out.outputs:
                     if not (c.delta_token_ids or c.delta_text or c.finish_reason):
                         continue
+                    delta, finish = streams[c.index].step(c)
                     lp = None
                     if k is not None:
                         lp = R.chat_logprobs(tok, c.delta_token_ids, R.new_logprobs(c, c.delta_token_ids), k)
+                    if not (delta or lp is not None or finish):
+                        continue  # text a parser holds back (a marker in the making) goes out later
                     choices.append(
-                        {
-                            "index": c.index,
-                            "delta": {"content": c.delta_text},
-                            "logprobs": lp,
-                            "finish_reason": c.finish_reason,
-                        }
+                        {"index": c.index, "delta": delta.to_chat(), "logprobs": lp, "finish_reason": finish}
                     )
                 if choices:
                     yield sse({**head, "choices": choices, **extra})
@@ -391,6 +408,16 @@ class OpenAIFront:
         except Exception as e:  # noqa: BLE001
             yield sse(_error_event(e))
         yield DONE
+
+
+async def _prime_turn(turn: ChatTurn, gens: list) -> list[RequestOutput]:
+    """_prime, with a tool grammar xgrammar refuses named as the tools' fault, not response_format's."""
+    try:
+        return await _prime(gens)
+    except ValueError as e:
+        if turn.tool_grammar and str(e).startswith("structured") and not isinstance(e, BadParam):
+            raise BadParam(f"tools: {e}", "tools") from None
+        raise
 
 
 def _error_event(e: Exception) -> dict:

@@ -14,7 +14,9 @@ import socket
 
 import uvicorn
 
+from baton.serve.engine import LLMEngine
 from baton.serve.openai.app import OpenAIFront
+from baton.serve.openai.tool_calling import AgentConfig
 from baton.serve.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,10 @@ class HttpFront:
         port: int,
         auth_token: str | None = None,
         tls: tuple[str, str] | None = None,
+        agents: AgentConfig | None = None,
     ):
         self.host, self.tls = host, tls
-        self.front = OpenAIFront(runtime, model_dir, auth_token)
+        self.front = OpenAIFront(runtime, model_dir, auth_token, agents)
         app = self.front.app()
         cert, key = tls or (None, None)
         config = uvicorn.Config(
@@ -71,9 +74,9 @@ class HttpFront:
         sock.set_inheritable(True)
         return sock
 
-    def prepare(self) -> None:
+    def prepare(self, engine: LLMEngine) -> None:
         """What requests share, built once when the model loads (see OpenAIFront.prepare)."""
-        self.front.prepare()
+        self.front.prepare(engine)
 
     async def start(self) -> None:
         self._task = asyncio.ensure_future(self._server.serve(sockets=[self._socket]))

@@ -98,7 +98,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    # tool calling and reasoning: checked by serve/openai/tool_calling.ChatTurn, which names the bad param
     tools: list | None = None
+    tool_choice: StrictStr | dict | None = None  # omitted: "auto" with tools, else "none" (OpenAI's defaults)
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: passed to the chat template (enable_thinking, ...)
+    thinking_token_budget: StrictInt | None = None  # vLLM's name: reasoning tokens before </think> is forced
 
 
 class BadParam(ValueError):
@@ -132,7 +137,7 @@ def structured_of(req: SamplingRequest) -> StructuredOutputs | None:
         except TypeError:
             keys = sorted(req.structured_outputs)
             raise BadParam(
-                f"structured_outputs takes json, json_object, regex or grammar; got {keys}", "structured_outputs"
+                f"structured_outputs takes json, json_object, regex, grammar or structural_tag; got {keys}", "structured_outputs"
             ) from None
     rf = req.response_format
     if rf is None or rf.type == "text":

@@ -56,7 +56,7 @@ BAD = [  # (path, body, status, param)
         400,
         "top_logprobs",
     ),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools[0].type"),
     ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
 ]
 

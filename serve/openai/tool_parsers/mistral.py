@@ -210,7 +210,7 @@ class Parser(IncrementalToolParser):
                     "properties": {
                         "name": {"const": f["name"]},
                         "arguments": object_schema(f),
-                        "id": {"type": "string"},
+                        "id": {"type": "string", "pattern": "^[a-zA-Z0-9]{9}$"},  # Mistral's ids
                     },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,

@@ -30,6 +30,8 @@ from baton.serve.openai import harmony_vocab
 from baton.serve.openai.reasoning import reasoning_parser_class
 from baton.serve.openai.tool_parsers import tool_parser_class
 
+from .parser_checks import check_streaming, streamed, unary
+
 DATA = Path(__file__).parent / "data"
 PARSERS = ("mistral", "deepseek_v3", "openai")
 CASES = {name: json.loads((DATA / f"tool_cases_{name}.json").read_text()) for name in PARSERS}
@@ -76,33 +78,6 @@ VLLM_DIFFERS = {
 }
 
 
-def unary(name: str, case: dict) -> tuple[str, list[tuple[str, str]]]:
-    parsed = tool_parser_class(name)(case["tools"]).parse(case["text"])
-    ids = [c.id for c in parsed.tool_calls]
-    assert len(set(ids)) == len(ids)
-    for i in ids:  # Mistral's templates accept only their own id form
-        assert (len(i) == 9 and i.isalnum()) if name == "mistral" else i.startswith("call_")
-    return parsed.content, [(c.name, c.arguments) for c in parsed.tool_calls]
-
-
-def streamed(name: str, tools: list[dict], text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
-    """The text fed in pieces cut at `cuts`; each call's id and name must come once, first."""
-    parser = tool_parser_class(name)(tools)
-    bounds = [0, *cuts, len(text)]
-    deltas = [parser.feed(text[a:b]) for a, b in zip(bounds, bounds[1:])] + [parser.finish()]
-    content, calls = "", []
-    for d in deltas:
-        content += d.content
-        for piece in d.tool_calls:
-            if piece.id is not None:
-                assert piece.index == len(calls) and piece.name
-                calls.append([piece.name, ""])
-            else:
-                assert piece.name is None and piece.index == len(calls) - 1
-            calls[piece.index][1] += piece.arguments
-    return content, [tuple(c) for c in calls]
-
-
 @pytest.mark.parametrize("name,case", ALL)
 def test_unary_gives_the_expected_calls(name, case):
     content, calls = unary(name, case)
@@ -114,15 +89,7 @@ def test_unary_gives_the_expected_calls(name, case):
 
 @pytest.mark.parametrize("name,case", ALL)
 def test_streaming_equals_unary_wherever_the_text_is_cut(name, case):
-    text, tools = case["text"], case["tools"]
-    want = unary(name, case)
-    for i in range(len(text) + 1):
-        assert streamed(name, tools, text, [i]) == want, f"cut at {i}: {text[:i]!r} | {text[i:]!r}"
-    assert streamed(name, tools, text, list(range(1, len(text)))) == want  # a character at a time
-    rng = random.Random(case["id"])
-    for _ in range(4):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 12))))
-        assert streamed(name, tools, text, cuts) == want, cuts
+    check_streaming(name, case, random_chunkings=4)
 
 
 @pytest.mark.parametrize("name,case", ALL)

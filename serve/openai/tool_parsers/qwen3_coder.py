@@ -141,14 +141,9 @@ class Parser(IncrementalToolParser):
     def _step(self, final: bool) -> bool:
         buf = self._buf
         if self._state == "content":
-            at = buf.find(START)
-            if at < 0:
-                keep = 0 if final else held_suffix(buf, (START,))
-                self._content(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep :]
+            if not self._content_until(START, final):
                 return False
-            self._content(buf[:at])
-            self._buf, self._state = buf[at + len(START) :], "head"
+            self._state = "head"
             return True
         if self._state == "head":
             wait, m = match_head(HEAD, buf, final)

@@ -389,6 +389,20 @@ class IncrementalToolParser(ToolParser):
                 calls[piece.index].arguments += piece.arguments
         return ParsedMessage(content="".join(d.content for d in deltas), tool_calls=calls)
 
+    def _content_until(self, marker: str, final: bool) -> bool:
+        """Content up to `marker`: True with the text before it sent and the marker consumed; False
+        with what cannot start one sent and the rest (a possible marker's beginning) held back."""
+        buf = self._buf
+        at = buf.find(marker)
+        if at < 0:
+            keep = 0 if final else held_suffix(buf, (marker,))
+            self._content(buf[: len(buf) - keep])
+            self._buf = buf[len(buf) - keep :]
+            return False
+        self._content(buf[:at])
+        self._buf = buf[at + len(marker) :]
+        return True
+
     def known(self, name: str) -> bool:
         """A name the request's tools declare (any name when the request declared none)."""
         return not self.schemas or name in self.schemas

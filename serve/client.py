@@ -95,8 +95,11 @@ class BatonClient(_Base):
             call.cancel()
 
     def complete(self, prompt: str | list[int], *, timeout: float | None = None, **kwargs) -> Message:
-        """The whole output as one GenerateResponse (unary mode)."""
-        return next(iter(self._invoke("Generate", generate_request(prompt, unary=True, **kwargs), timeout)))
+        """The whole output as one GenerateResponse (unary mode). The stream is read to its end (the
+        call's status): a call dropped after its one message is cancelled by gRPC, and the server
+        could count it so before it had finished the call."""
+        (out,) = self._invoke("Generate", generate_request(prompt, unary=True, **kwargs), timeout)
+        return out
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._invoke("Tokenize", proto.baton("TokenizeRequest")(text=text), None).token_ids)

@@ -3,6 +3,7 @@ pieces (each call's id and name once, first; argument fragments concatenating to
 
 from __future__ import annotations
 
+import json
 import random
 
 from baton.serve.openai.tool_parsers import tool_parser_class
@@ -48,3 +49,12 @@ def check_streaming(name: str, case: dict, random_chunkings: int) -> None:
     for _ in range(random_chunkings):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 12))))
         assert streamed(name, tools, text, cuts) == want, cuts
+
+
+def check_expected(name: str, case: dict) -> None:
+    """The unary parse gives the case's hand-written content and calls (arguments as json.dumps
+    writes the expected object)."""
+    content, calls = unary(name, case)
+    expected = case["expected"]
+    assert content == expected["content"]
+    assert calls == [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in expected["calls"]]

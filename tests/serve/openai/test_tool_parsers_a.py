@@ -24,7 +24,7 @@ import xgrammar as xgr
 from baton.serve.openai.tool_parsers import tool_parser_class
 from baton.serve.openai.tool_parsers.streaming import JsonStream
 
-from .parser_checks import check_streaming, streamed, unary
+from .parser_checks import check_expected, check_streaming, streamed, unary
 
 DATA = Path(__file__).parent / "data"
 PARSERS = ("hermes", "qwen3_coder", "llama3_json")
@@ -71,11 +71,7 @@ VLLM_DIFFERS = {
 
 @pytest.mark.parametrize("name,case", ALL)
 def test_unary_gives_the_expected_calls(name, case):
-    content, calls = unary(name, case)
-    expected = case["expected"]
-    assert content == expected["content"]
-    # arguments are the JSON text json.dumps writes for the expected object
-    assert calls == [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in expected["calls"]]
+    check_expected(name, case)
 
 
 @pytest.mark.parametrize("name,case", ALL)

@@ -30,7 +30,7 @@ from baton.serve.openai import harmony_vocab
 from baton.serve.openai.reasoning import reasoning_parser_class
 from baton.serve.openai.tool_parsers import tool_parser_class
 
-from .parser_checks import check_streaming, streamed, unary
+from .parser_checks import check_expected, check_streaming, streamed, unary
 
 DATA = Path(__file__).parent / "data"
 PARSERS = ("mistral", "deepseek_v3", "openai")
@@ -80,11 +80,7 @@ VLLM_DIFFERS = {
 
 @pytest.mark.parametrize("name,case", ALL)
 def test_unary_gives_the_expected_calls(name, case):
-    content, calls = unary(name, case)
-    expected = case["expected"]
-    assert content == expected["content"]
-    # arguments are the JSON text json.dumps writes for the expected object
-    assert calls == [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in expected["calls"]]
+    check_expected(name, case)
 
 
 @pytest.mark.parametrize("name,case", ALL)

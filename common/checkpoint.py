@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ import torch
 from baton.common.config import ModelConfig
 from baton.common.hf_config import config_from_hf, config_to_hf
 from baton.common.model import CausalLM
+from baton.common.mtp import COPY_NAMES, module_name, mtp_layer_of
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -239,7 +241,21 @@ def read_config(directory: str | Path) -> ModelConfig:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-    return config_from_hf(raw)
+    config = config_from_hf(raw)
+    names = tensor_names(directory) if config.num_nextn_predict_layers else None
+    return config if names is None else reconcile_mtp(config, names)
+
+
+def tensor_names(directory: str | Path) -> list[str] | None:
+    """The tensors a checkpoint directory holds (from the index or the file header, no data read);
+    None where it holds no safetensors (a config-only directory)."""
+    d = Path(directory)
+    if (d / INDEX_FILE).is_file():
+        return list(json.loads((d / INDEX_FILE).read_text())["weight_map"])
+    if (d / SINGLE_FILE).is_file():
+        with safe_open(d / SINGLE_FILE, framework="pt") as f:
+            return list(f.keys())
+    return None
 
 
 def weight_files(directory: str | Path) -> list[Path]:
@@ -282,9 +298,51 @@ def validate_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig
             raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, config expects {tuple(shape)}")
         if t.dtype != dtype:
             raise CheckpointError(f"tensor {name!r} has dtype {t.dtype}, config says {config.torch_dtype}")
-    unexpected = sorted(set(state_dict) - set(expected))
+    copies = mtp_copy_names(config)
+    for name in copies & set(state_dict):
+        want = (config.vocab_size, config.hidden_size)
+        if tuple(state_dict[name].shape) != want:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(state_dict[name].shape)}, expected {want}")
+    unexpected = sorted(set(state_dict) - set(expected) - copies)
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not in the model described by the config")
+
+
+def mtp_copy_names(config: ModelConfig) -> set[str]:
+    """The optional per-MTP-module copies of the embedding and LM head a checkpoint may carry."""
+    n = config.num_hidden_layers
+    return {f"model.layers.{n + k}.{c}" for k in range(config.num_nextn_predict_layers) for c in COPY_NAMES}
+
+
+def reconcile_mtp(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """`config` with num_nextn_predict_layers 0 where the checkpoint holds no MTP tensors: DeepSeek-V3
+    configs (transformers' own save_pretrained included) say 1 whether or not the weights are there.
+    Some but not all of a module's tensors stay an error (validate_state_dict names the missing one)."""
+    n = config.num_hidden_layers
+    if config.num_nextn_predict_layers == 0 or any(mtp_layer_of(name, n) is not None for name in names):
+        return config
+    log.info(
+        "config.json says num_nextn_predict_layers=%d but the checkpoint has no model.layers.%d.* tensors: "
+        "no MTP modules (num_nextn_predict_layers set to 0)",
+        config.num_nextn_predict_layers,
+        n,
+    )
+    return dataclasses.replace(config, num_nextn_predict_layers=0)
+
+
+def _split_mtp_copies(state: dict[str, torch.Tensor], config: ModelConfig) -> list[str]:
+    """Drop the MTP embedding/head copies that equal the main model's (DeepSeek-V3 shares them, so
+    holding them would cost a second embedding and head); return the names of those that differ."""
+    embed = state.get("model.embed_tokens.weight")
+    head = state.get("lm_head.weight", embed)
+    kept = []
+    for name in sorted(mtp_copy_names(config) & set(state)):
+        main = embed if name.endswith("embed_tokens.weight") else head
+        if main is not None and torch.equal(state[name], main):
+            del state[name]
+        else:
+            kept.append(name)
+    return kept
 
 
 def verify_hashes(directory: str | Path) -> None:
@@ -313,11 +371,16 @@ def load_checkpoint(
     if verify:
         verify_hashes(d)
     state = load_state_dict(d)
+    own_copies = _split_mtp_copies(state, config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     validate_state_dict(state, config)
+    n = config.num_hidden_layers
     with torch.device("meta"):
         model = CausalLM(config)
+        for name in own_copies:  # (an MTP module's embedding/head that is not the main model's)
+            model.mtp[mtp_layer_of(name, n)].add_copy(name.split(".", 3)[3])
+    state = {module_name(k, n): v for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)  # lm_head is tied when missing
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 from baton.common.errors import UserError
-from baton.common.families import FAMILY_FIELDS, apply_family_defaults, validate_family, validate_features
+from baton.common.families import (
+    FAMILY_FIELDS,
+    NORM_TOPK_FAMILIES,
+    apply_family_defaults,
+    mla_parameters,
+    validate_family,
+    validate_features,
+)
 
 MODEL_TYPES = (
     "llama",
@@ -29,7 +36,7 @@ MODEL_TYPES = (
     "gemma3_text",
     "gpt_oss",
 )
-MODEL_TYPES += ("olmo2",)
+MODEL_TYPES += ("olmo2", "deepseek_v3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: SwiGLU or GeGLU (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -115,13 +122,27 @@ class ModelConfig:
     expert_bias: bool = False  # gpt-oss: every expert projection has a bias
     swiglu_alpha: float | None = None  # gpt-oss's clamped SwiGLU: (up + 1) * g * sigmoid(alpha * g)
     swiglu_limit: float | None = None  # ... with g <= limit and |up| <= limit
+    # DeepSeek-V3 (HF DeepseekV3Config's names; families.DEEPSEEK_FIELDS): multi-head latent attention
+    # (common/mla.py), DeepSeekMoE (common/deepseek_moe.py) and the MTP modules (common/mtp.py)
+    kv_lora_rank: int | None = None  # MLA's compressed KV width; None: no MLA
+    q_lora_rank: int | None = None  # the low-rank query's width; None: one q_proj (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0  # each head's query/key channels without rope
+    qk_rope_head_dim: int = 0  # ... with rope (the key's shared by all heads)
+    v_head_dim: int = 0
+    rope_interleave: bool | None = None  # rope over pairs (x0, x1), (x2, x3)...; deepseek_v3's default True
+    n_shared_experts: int = 0  # always-on experts, moe_intermediate_size * n each
+    n_group: int = 1  # routed experts in n_group groups; a token picks from its topk_group best groups
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this
+    first_k_dense_replace: int = 0  # layers below this keep a dense MLP (intermediate_size wide)
+    num_nextn_predict_layers: int = 0  # MTP modules after the last layer (HF's num_mtp_layers)
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads > 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim is None and self.num_attention_heads > 0:  # (MLA: the rope width, as HF sets it)
+            self.head_dim = (self.is_mla and self.qk_rope_head_dim) or self.hidden_size // self.num_attention_heads
         if self.model_type is None:
             self.model_type = self.infer_model_type()
         apply_family_defaults(self)
@@ -133,6 +154,8 @@ class ModelConfig:
     # ----------------------------------------------------------------------------- validation
     def infer_model_type(self) -> str:
         """The HF family that can represent these features (used when exporting)."""
+        if self.is_mla:
+            return "deepseek_v3"
         if self.num_local_experts > 0:
             return "mixtral"
         if self.qkv_bias:
@@ -166,7 +189,8 @@ class ModelConfig:
             f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
             f"num_key_value_heads ({self.num_key_value_heads})",
         )
-        need(self.head_dim % 2 == 0, f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        rope = "qk_rope_head_dim" if self.is_mla else "head_dim"
+        need(self.head_dim % 2 == 0, f"{rope} must be even for rotary embeddings, got {self.head_dim}")
         need(self.rope_theta > 0, f"rope_theta must be positive, got {self.rope_theta}")
         need(self.rms_norm_eps > 0, f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         need(self.hidden_act in HIDDEN_ACTS, f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
@@ -275,14 +299,26 @@ class ModelConfig:
         return not self.is_hybrid or layer_idx in (self.attn_layer_indices or [])
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3): the layers cache a latent, not per-head K/V."""
+        return self.kv_lora_rank is not None
+
+    @property
     def rotary_dim(self) -> int:
-        """Channels of each head that RoPE rotates (Bamba: the first half, HF's partial_rotary_factor 0.5)."""
+        """Channels of each head that RoPE rotates (Bamba: the first half, HF's partial_rotary_factor 0.5;
+        MLA: the qk_rope_head_dim channels of the query and the shared key)."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return self.head_dim // 2 if self.is_hybrid else self.head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Routed experts in this layer (Qwen3-MoE may keep dense MLPs in some)."""
+        """Routed experts in this layer (Qwen3-MoE may keep dense MLPs in some; DeepSeek-V3 its first
+        first_k_dense_replace layers, but never its MTP blocks, layer_idx >= num_hidden_layers: HF's
+        get_mtp_config sets first_k_dense_replace to 0 for them)."""
         if self.num_local_experts == 0 or layer_idx in (self.mlp_only_layers or []):
             return False
+        if self.model_type == "deepseek_v3":
+            return layer_idx >= min(self.first_k_dense_replace, self.num_hidden_layers)
         return (layer_idx + 1) % self.decoder_sparse_step == 0
 
     @property
@@ -315,15 +351,21 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (hq + 2 * hkv)
         attn += {None: 0, "head": 2 * d, "full": (hq + hkv) * d}[self.qk_norm] + (hq if self.attention_sinks else 0)
+        if self.is_mla:
+            attn = mla_parameters(self)
         e, ie = self.num_local_experts, self.expert_intermediate_size
         moe = e * 3 * h * ie + h * e + (e if self.router_bias else 0) + (e * (2 * ie + h) if self.expert_bias else 0)
+        moe += 3 * h * ie * self.n_shared_experts
         layers = range(self.num_hidden_layers)
         ffn = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in layers)
         norms = {"pre": 2, "sandwich": 4, "post": 2}[self.norm_layout] * h
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         n_attn = sum(self.is_attention_layer(j) for j in layers)
         mixers = (self.num_hidden_layers - n_attn) * self._mixer_parameters()
-        return n_attn * attn + mixers + ffn + self.num_hidden_layers * norms + embed + h
+        # an MTP module: enorm, hnorm, eh_proj, a decoder block and shared_head.norm (embedding and head shared)
+        mtp = 3 * h + 2 * h * h + attn + (moe if self.is_moe_layer(self.num_hidden_layers) else 3 * h * i) + norms
+        body = n_attn * attn + mixers + ffn + self.num_hidden_layers * norms + embed + h
+        return body + self.num_nextn_predict_layers * mtp
 
     def _mixer_parameters(self) -> int:
         inner, heads = self.mamba_expand * self.hidden_size, self.mamba_n_heads
@@ -343,7 +385,7 @@ class ModelConfig:
             d.pop("early_exit_layers")
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in FAMILY_FIELDS:
-            if d[name] == defaults[name] or (name == "norm_topk_prob" and self.model_type != "qwen3_moe"):
+            if d[name] == defaults[name] or (name == "norm_topk_prob" and self.model_type not in NORM_TOPK_FAMILIES):
                 d.pop(name)
         if not self.is_hybrid:
             for name in BAMBA_FIELDS:

@@ -42,7 +42,23 @@ GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {"norm_topk_prob": False},
     "gpt_oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
+    "deepseek_v3": {"rope_interleave": True},
 }
+# DeepSeek-V3's own fields (HF's names): every other family leaves them at their defaults ("off").
+DEEPSEEK_FIELDS = (
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "n_shared_experts",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "first_k_dense_replace",
+    "num_nextn_predict_layers",
+)
 # New-family fields, left out of to_dict() where at their defaults (older families' dicts stay as they were).
 FAMILY_FIELDS = (
     "qk_norm",
@@ -62,7 +78,8 @@ FAMILY_FIELDS = (
     "expert_bias",
     "swiglu_alpha",
     "swiglu_limit",
-)
+) + DEEPSEEK_FIELDS
+NORM_TOPK_FAMILIES = ("qwen3_moe", "deepseek_v3")  # the families whose config says whether to renormalise
 
 
 def apply_family_defaults(cfg) -> None:
@@ -107,7 +124,7 @@ def validate_features(cfg, need) -> None:
 def validate_family(cfg, need) -> None:
     """The exported config.json must mean the same thing to transformers."""
     t = cfg.model_type
-    moe_families = ("mixtral", "qwen3_moe", "gpt_oss")
+    moe_families = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
     need(
         t in moe_families or cfg.num_local_experts == 0,
         f"model_type {t!r} has no MoE; use one of {moe_families} for num_local_experts > 0",
@@ -133,13 +150,22 @@ def validate_family(cfg, need) -> None:
         (t == "gpt_oss") == (cfg.swiglu_alpha is not None),
         f"the clamped SwiGLU (swiglu_alpha/limit) is gpt-oss's and only gpt-oss's, model_type {t!r}",
     )
-    for name in ("moe_intermediate_size", "mlp_only_layers"):
-        need(t == "qwen3_moe" or getattr(cfg, name) is None, f"{name} is Qwen3-MoE's; model_type {t!r} has none")
+    need(
+        t in NORM_TOPK_FAMILIES or cfg.moe_intermediate_size is None,
+        f"moe_intermediate_size is {NORM_TOPK_FAMILIES}'s; model_type {t!r} has none",
+    )
+    need(t == "qwen3_moe" or cfg.mlp_only_layers is None, f"mlp_only_layers is Qwen3-MoE's; model_type {t!r} has none")
     need(t == "qwen3_moe" or cfg.decoder_sparse_step == 1, f"decoder_sparse_step is Qwen3-MoE's; not {t!r}'s")
     need(
-        t == "qwen3_moe" or cfg.norm_topk_prob,
-        f"model_type {t!r} always renormalises the top-k routing weights (norm_topk_prob is Qwen3-MoE's)",
+        t in NORM_TOPK_FAMILIES or cfg.norm_topk_prob,
+        f"model_type {t!r} always renormalises the top-k routing weights (norm_topk_prob is {NORM_TOPK_FAMILIES}'s)",
     )
+    if t == "deepseek_v3":
+        validate_deepseek(cfg, need)
+    else:
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        for name in DEEPSEEK_FIELDS:
+            need(getattr(cfg, name) == defaults[name], f"{name} is DeepSeek-V3's; model_type {t!r} has none")
     need(
         (t == "qwen2") == cfg.qkv_bias,
         "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
@@ -164,3 +190,61 @@ def validate_family(cfg, need) -> None:
         or set(cfg.layer_types) == {"full_attention"},
         f"model_type {t!r} cannot express mixed layer_types",
     )
+
+
+def validate_deepseek(cfg, need) -> None:
+    """MLA's and DeepSeekMoE's shapes (what HF's DeepseekV3 modules need to build and route)."""
+
+    def positive(name: str, optional: bool = False) -> None:
+        v = getattr(cfg, name)
+        ok = (optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v > 0)
+        need(ok, f"deepseek_v3: {name} must be a positive integer{' or null' if optional else ''}, got {v!r}")
+
+    need(cfg.kv_lora_rank is not None, "deepseek_v3 is multi-head latent attention: set kv_lora_rank")
+    positive("kv_lora_rank")
+    positive("q_lora_rank", optional=True)
+    for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        positive(name)
+    r = cfg.qk_rope_head_dim
+    need(r % 2 == 0, f"deepseek_v3: qk_rope_head_dim must be even for rotary embeddings, got {r}")
+    need(cfg.head_dim == r, f"deepseek_v3: head_dim is qk_rope_head_dim ({r}) as in HF's config, got {cfg.head_dim}")
+    need(
+        cfg.num_key_value_heads == cfg.num_attention_heads,
+        f"deepseek_v3: num_key_value_heads ({cfg.num_key_value_heads}) must equal num_attention_heads "
+        f"({cfg.num_attention_heads}): MLA decompresses a key and value for every head",
+    )
+    need(cfg.sliding_window is None and cfg.layer_types is None, "deepseek_v3 has no sliding-window attention")
+    need(isinstance(cfg.rope_interleave, bool), f"rope_interleave must be true or false, got {cfg.rope_interleave!r}")
+    for name in ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"):
+        v = getattr(cfg, name)
+        need(isinstance(v, int) and v >= 0, f"deepseek_v3: {name} must be a non-negative integer, got {v!r}")
+    e, n = cfg.num_local_experts, cfg.num_hidden_layers
+    if e == 0:
+        need(
+            cfg.first_k_dense_replace >= n,
+            f"deepseek_v3 has routed experts from layer first_k_dense_replace ({cfg.first_k_dense_replace}) on: "
+            f"set num_local_experts > 0, or first_k_dense_replace >= num_hidden_layers ({n}) for a dense model",
+        )
+        return
+    need(cfg.routed_scaling_factor > 0, f"routed_scaling_factor must be positive, got {cfg.routed_scaling_factor}")
+    g, tg = cfg.n_group, cfg.topk_group
+    need(isinstance(g, int) and g > 0, f"n_group must be a positive integer, got {g!r}")
+    need(e % g == 0, f"num_local_experts (n_routed_experts, {e}) must be divisible by n_group ({g})")
+    need(e // g >= 2, f"a group's score is its two best experts: n_routed_experts / n_group must be >= 2, got {e}/{g}")
+    need(isinstance(tg, int) and 1 <= tg <= g, f"topk_group must be in 1..n_group ({g}), got {tg!r}")
+    k = cfg.num_experts_per_tok
+    need(
+        k <= tg * (e // g),
+        f"num_experts_per_tok ({k}) must be <= topk_group * experts per group ({tg} * {e // g}): "
+        "a token's experts come from its topk_group groups",
+    )
+
+
+def mla_parameters(cfg) -> int:
+    """One MLA layer's parameters (HF's DeepseekV3Attention; q_a/kv_a norms included)."""
+    h, heads, kv, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    q_out = heads * (cfg.qk_nope_head_dim + r)
+    bias = cfg.attention_bias  # (HF: on q_a_proj, kv_a_proj_with_mqa and o_proj)
+    q = h * q_out if cfg.q_lora_rank is None else (h + 1 + q_out + bias) * cfg.q_lora_rank
+    kv_a = (h + bias) * (kv + r) + kv
+    return q + kv_a + kv * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h + bias * h

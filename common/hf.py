@@ -58,14 +58,18 @@ def transformers_class(name: str) -> type:
 # ---------------------------------------------------------------------------- tensor names
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # Per family with per-expert modules: the MoE block's name and its experts' (gate, up, down) names.
-_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3_moe": ("mlp", Qwen3Expert.names)}
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", Qwen3Expert.names),
+    "deepseek_v3": ("mlp", Qwen3Expert.names),
+}
 
 
 def normalize_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF's tensors under Baton's (= HF's on-disk) names. Also accepted:
 
-    - transformers-5 in-memory names (a state dict saved from a loaded model): Mixtral's and
-      Qwen3-MoE's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj`
+    - transformers-5 in-memory names (a state dict saved from a loaded model): Mixtral's,
+      Qwen3-MoE's and DeepSeek-V3's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj`
       [E, H, I] are split per expert (gpt-oss's stacked experts are its checkpoint names: kept);
     - MXFP4 expert weights (gpt-oss hub checkpoints, `quantization_config.quant_method: mxfp4`):
       `*_blocks`/`*_scales` are dequantized to the bf16 layout, in the dtype of the checkpoint's

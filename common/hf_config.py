@@ -12,7 +12,7 @@ from typing import Any
 
 from baton.common.config import BAMBA_FIELDS, DTYPES, HIDDEN_ACTS, LAYER_TYPES, ConfigError, ModelConfig
 
-MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss")
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -26,7 +26,26 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# transformers' DeepseekV3Config defaults: what a config.json that leaves a key out means.
+DEEPSEEK_HF_DEFAULTS: dict[str, Any] = dict(
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    rope_interleave=True,
+    n_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+    moe_intermediate_size=2048,
+    norm_topk_prob=True,
+)
+# DeepSeek's own routing keys (its remote-code configs carry them); the only values HF's class implements.
+DEEPSEEK_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_layer_freq": 1}
 # Families whose config.json spells layer_types / sliding_window the way transformers 5 does.
 LAYER_TYPED = ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # Multimodal wrappers whose text model Baton reads under its own model_type.
@@ -43,8 +62,9 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = d.get("rope_theta", 10000.0)
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
+    if "type" in scaling:  # (the old spelling; transformers 5 writes both)
+        scaling.setdefault("rope_type", scaling["type"])
+        scaling.pop("type")
     if scaling.get("rope_type", "default") == "default":
         return float(theta), None
     return float(theta), scaling
@@ -99,7 +119,7 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
         else False,
         qkv_bias=model_type == "qwen2",
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        num_local_experts=d.get("num_local_experts", d.get("num_experts", 0)) if model_type in MOE_TYPES else 0,
+        num_local_experts=_num_experts(d) if model_type in MOE_TYPES else 0,
         num_experts_per_tok=d.get("num_experts_per_tok", 2),
         initializer_range=d.get("initializer_range", 0.02),
         bos_token_id=d.get("bos_token_id"),
@@ -137,9 +157,29 @@ def _layer_types_from_hf(d: dict[str, Any], model_type: str) -> tuple[int | None
     return window, types
 
 
+def _num_experts(d: dict[str, Any]) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):  # Mixtral/gpt-oss, Qwen3-MoE, DeepSeek
+        if d.get(key) is not None:
+            return d[key]
+    return 256 if d.get("model_type") == "deepseek_v3" else 0  # (DeepseekV3Config's default)
+
+
+def _deepseek_from_hf(d: dict[str, Any]) -> dict[str, Any]:
+    for key, value in DEEPSEEK_ROUTING.items():
+        if d.get(key, value) != value:
+            raise ConfigError(
+                f"deepseek_v3: {key}={d[key]!r} is not supported (Baton, like transformers, implements {key}={value!r})"
+            )
+    out = {k: d.get(k, v) for k, v in DEEPSEEK_HF_DEFAULTS.items()}
+    mtp = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))
+    return {**out, "num_nextn_predict_layers": mtp or 0}
+
+
 def _family_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
     """The newer families' own fields (ModelConfig fills and checks the features each one fixes)."""
     out: dict[str, Any] = {}
+    if model_type == "deepseek_v3":
+        out.update(_deepseek_from_hf(d))
     if model_type == "qwen3_moe":
         out.update(
             moe_intermediate_size=d.get("moe_intermediate_size"),
@@ -242,6 +282,15 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 def _family_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
     """The newer families' keys, spelled as transformers 5.25 writes them."""
     t = cfg.model_type
+    if t == "deepseek_v3":
+        d.update({name: getattr(cfg, name) for name in DEEPSEEK_HF_DEFAULTS}, **DEEPSEEK_ROUTING)
+        d.update(
+            attention_bias=cfg.attention_bias,
+            moe_intermediate_size=cfg.expert_intermediate_size,
+            n_routed_experts=cfg.num_local_experts,
+            num_experts_per_tok=cfg.num_experts_per_tok,
+            num_nextn_predict_layers=cfg.num_nextn_predict_layers,
+        )
     if t not in LAYER_TYPED and t != "olmo2":
         return
     d["attention_bias"] = cfg.attention_bias

@@ -1,8 +1,9 @@
 """The one model definition: a plain PyTorch Llama-family decoder.
 
 Covers Llama (GQA/MQA, llama3 rope scaling, optional attention bias), Mistral (sliding window),
-Qwen2 (q/k/v bias), Mixtral (top-k routed SwiGLU experts) and the hybrid Bamba (Mamba2 mixers,
-baton.common.ssm, in the layers that hold no attention). Parameter names equal the Hugging
+Qwen2 (q/k/v bias), Mixtral (top-k routed SwiGLU experts), the hybrid Bamba (Mamba2 mixers,
+baton.common.ssm, in the layers that hold no attention), the 2025-26 families (common/families.py)
+and DeepSeek-V3 (latent attention, common/mla.py; its MTP modules, common/mtp.py). Parameter names equal the Hugging
 Face checkpoint names, so a state dict is a checkpoint and vice versa.
 
 The model never decides how attention is computed: the attention core (scores, softmax, ·V) is a
@@ -19,7 +20,10 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
+from baton.common.deepseek_moe import DeepSeekMoE
+from baton.common.mla import MLAttention
 from baton.common.moe import GptOssExperts, build_moe
+from baton.common.mtp import MTPLayer, checkpoint_name
 from baton.common.rope import attention_factor, inv_frequencies, rotary_cos_sin
 from baton.common.ssm import Mamba2Mixer
 from baton.kernels import apply_rotary, rms_norm, swiglu
@@ -30,7 +34,8 @@ from torch import nn
 class AttentionBackend(Protocol):
     """Computes softmax(q k^T * scale + mask) v for one layer.
 
-    q: [B, S, Hq, D], k and v: [B, S, Hkv, D], already rotated; returns [B, S, Hq, D].
+    q: [B, S, Hq, D], k: [B, S, Hkv, D], v: [B, S, Hkv, Dv], already rotated; returns [B, S, Hq, Dv]
+    (Dv = D but for MLA's naive form, whose values are v_head_dim wide).
     `layer` gives layer_idx, scaling and sliding_window. A serving backend packs all sequences
     of a step into B=1 and reads its own metadata (block tables, slot mapping) set per step. It
     may answer only some rows (the ones a server samples, at the last layer: the others' outputs
@@ -186,10 +191,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
+        self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if cfg.is_mla else Attention(cfg, layer_idx)
         self.ffn_name = cfg.moe_attribute if cfg.is_moe_layer(layer_idx) else "mlp"
-        if cfg.is_moe_layer(layer_idx):
-            setattr(self, self.ffn_name, build_moe(cfg))
+        if cfg.is_moe_layer(layer_idx):  # (DeepSeekMoE subclasses moe.MoE, so build_moe cannot make it)
+            setattr(self, self.ffn_name, DeepSeekMoE(cfg) if cfg.model_type == "deepseek_v3" else build_moe(cfg))
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.norm_layout = cfg.norm_layout
@@ -314,6 +319,9 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        n = cfg.num_hidden_layers  # DeepSeek-V3's MTP modules, each block the layer after the last
+        mtp = [MTPLayer(cfg, k, DecoderLayer(cfg, n + k), RMSNorm) for k in range(cfg.num_nextn_predict_layers)]
+        self.mtp = nn.ModuleList(mtp) if mtp else None
 
     def hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor | None = None, attn: AttentionBackend | None = None
@@ -331,11 +339,47 @@ class CausalLM(nn.Module):
         """input_ids [B, S] -> logits [B, S, vocab]."""
         return self.compute_logits(self.hidden(input_ids, positions, attn))
 
+    def mtp_hidden(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """The MTP modules over whole sequences with dense causal attention (training's reference).
+
+        input_ids [B, S]; hidden: the main model's `self.hidden(input_ids, positions)` where the caller
+        has it already (computed here otherwise); positions [B, S] as for `hidden`. Returns, for
+        module k = 1..D, shared_head.norm of its output, [B, S - k, H]: row i has seen tokens 0..i+k
+        and is the head's input for token i + k + 1, so `lm_head(out[k-1])[:, :-1]` pairs with labels
+        `input_ids[:, k + 1:]` (the last row predicts past the input: a drafter's row)."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP modules (config num_nextn_predict_layers is 0)")
+        s = input_ids.shape[-1]
+        if positions is None:
+            positions = torch.arange(s, device=input_ids.device).expand_as(input_ids)
+        h = self.hidden(input_ids, positions) if hidden is None else hidden
+        attn, out = DenseCausalAttention(), []
+        for k, layer in enumerate(self.mtp, 1):
+            rows = slice(0, s - k)
+            h = layer(h[:, rows], input_ids[:, k:], positions[:, rows], attn, self.model.embed, self.model.inv_freq)
+            h = layer.norm_output(h)
+            out.append(h)
+        return out
+
+    def mtp_logits(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """mtp_hidden through each module's head (its own copy, else lm_head): [B, S - k, vocab] for
+        k = 1..D, row i predicting token i + k + 1."""
+        normed = self.mtp_hidden(input_ids, hidden, positions)
+        heads = [m.shared_head.head if m.shared_head.head is not None else self.lm_head for m in self.mtp]
+        return [head(h) for head, h in zip(heads, normed)]
+
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict as written to disk: a tied LM head is stored once, as HF does."""
+        """State dict as written to disk: a tied LM head is stored once, as HF does; MTP module k
+        under model.layers.{num_hidden_layers + k} (mtp.checkpoint_name)."""
         sd = self.state_dict()
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
+        if self.mtp is not None:
+            sd = {checkpoint_name(k, self.config.num_hidden_layers): v for k, v in sd.items()}
         return sd
 
 

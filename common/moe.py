@@ -1,7 +1,7 @@
 """Mixture-of-experts feed-forward blocks: routing and the experts' grouped compute.
 
 The decoder layer (common/model.py) builds one of these (`build_moe`) where cfg.is_moe_layer(i), under
-the family's checkpoint name (cfg.moe_attribute). Three families, HF's routing and names each:
+the family's checkpoint name (cfg.moe_attribute). Four families, HF's routing and names each:
 
 - Mixtral (`block_sparse_moe`): softmax over all router logits, top-k, renormalised; experts
   `experts.<e>.w1/w3/w2` (gate/up/down).
@@ -10,6 +10,8 @@ the family's checkpoint name (cfg.moe_attribute). Three families, HF's routing a
 - gpt-oss (`mlp`, GptOssMoE): `router` with a bias, top-k of the logits, then softmax over those k;
   the experts are stacked tensors (`experts.gate_up_proj` [E, H, 2I] with gate/up interleaved in the
   columns, biases, `experts.down_proj` [E, I, H]) and a clamped SwiGLU.
+- DeepSeek-V3 (`mlp`): common/deepseek_moe.py's DeepSeekMoE, a subclass (sigmoid, group-limited routing
+  with a correction bias, shared experts), which the decoder layer builds itself.
 
 The experts run over token-slots sorted by expert, either one matmul chain per expert (`loop`: the
 reference, and what expert parallelism's per-expert FSDP units and quantized experts need) or as a
@@ -400,6 +402,8 @@ class GptOssMoE(MoE):
 
 def build_moe(cfg: ModelConfig) -> nn.Module:
     """The routed-experts block of cfg's family (forward: [..., H] -> [..., H])."""
+    if cfg.model_type == "deepseek_v3":  # (it subclasses MoE: importing it here would close a circle)
+        raise ValueError("DeepSeek-V3's block is baton.common.deepseek_moe.DeepSeekMoE(cfg); build_moe has none")
     return GptOssMoE(cfg) if cfg.model_type == "gpt_oss" else MoE(cfg)
 
 

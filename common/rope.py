@@ -68,6 +68,17 @@ def attention_factor(rope_scaling: dict | None) -> float:
     return mscale(factor)
 
 
+def mla_softmax_mscale(rope_scaling: dict | None) -> float:
+    """DeepSeek's factor on MLA's softmax scale, mscale(factor, mscale_all_dim) ** 2 (HF's
+    yarn_apply_mscale): YaRN's attention_factor reaches only the rope channels through cos and sin,
+    and this brings the no-rope ones along. 1 without a scaled rope or mscale_all_dim."""
+    rs = rope_scaling or {}
+    m = rs.get("mscale_all_dim")
+    if rs.get("rope_type", rs.get("type", "default")) == "default" or not m or rs["factor"] <= 1:
+        return 1.0
+    return (0.1 * m * math.log(rs["factor"]) + 1.0) ** 2
+
+
 def _llama3_scale(inv_freq: torch.Tensor, rs: dict) -> torch.Tensor:
     """Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between."""
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]

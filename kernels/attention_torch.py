@@ -39,7 +39,7 @@ def attention_math(q, k, v, scale, mask=None, sinks=None, softcap=0.0):
         sink = sinks.to(acc).view(1, hq, 1, 1).expand(b, hq, lq, 1)
         p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :lk]
     o = p.reshape(b, hkv, hq // hkv, lq, lk) @ v.to(acc).unsqueeze(2)
-    return o.reshape(b, hq, lq, d).to(q.dtype)
+    return o.reshape(b, hq, lq, v.shape[-1]).to(q.dtype)
 
 
 def _sdpa(q, k, v, causal, sliding_window, scale, sinks=None, softcap=0.0):

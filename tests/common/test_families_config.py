@@ -22,6 +22,21 @@ HF = {
     "gemma3_text": transformers.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=16, sliding_window=8),
     "gpt_oss": transformers.GptOssConfig(**SMALL, num_key_value_heads=2, head_dim=16, num_local_experts=4),
     "olmo2": transformers.Olmo2Config(**SMALL, num_key_value_heads=2),
+    "deepseek_v3": transformers.DeepseekV3Config(  # (with one MTP module: transformers' default)
+        **SMALL,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        kv_lora_rank=16,
+        q_lora_rank=12,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        first_k_dense_replace=1,
+    ),
 }
 
 
@@ -74,6 +89,9 @@ def test_a_recipe_names_the_family_and_gets_its_features():
             "['smooth']",
         ),
         ("olmo2", dict(model_type="olmo3"), "unsupported model_type 'olmo3'"),
+        ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy' is not supported"),
+        ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'"),
+        ("deepseek_v3", dict(n_group=3), "divisible by n_group (3)"),
     ],
 )
 def test_a_field_baton_does_not_implement_is_refused_by_name(name, changes, message):

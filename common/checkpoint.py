@@ -330,6 +330,28 @@ def reconcile_mtp(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
     return dataclasses.replace(config, num_nextn_predict_layers=0)
 
 
+def text_model_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A Qwen3.5 / Qwen3-Next checkpoint's text model under Baton's names. Qwen3.5's own checkpoints
+    (Qwen3_5ForConditionalGeneration's) keep it under model.language_model.* beside the vision tower
+    (model.visual.*), and both families ship an MTP head as mtp.*, which Baton, like transformers'
+    *ForCausalLM, does not hold: the prefix is dropped, the tower and the head too (logged); A_log and
+    dt_bias come in the config's dtype. Other families' state dicts are returned unchanged."""
+    if config.mixer != "gated_deltanet":
+        return state
+    out, dropped = {}, []
+    for name, t in state.items():
+        if name.startswith(("mtp.", "model.visual.")):
+            dropped.append(name)
+            continue
+        if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")) and t.dtype != config.dtype:
+            t = t.to(config.dtype)  # (some keep them in float32; transformers loads them in the model's)
+        out[name.replace("model.language_model.", "model.", 1)] = t
+    if dropped:
+        kinds = sorted({n.split(".")[0] if n.startswith("mtp.") else "model.visual" for n in dropped})
+        log.info("%d tensors under %s not loaded (Baton reads the text model only)", len(dropped), kinds)
+    return out
+
+
 def _split_mtp_copies(state: dict[str, torch.Tensor], config: ModelConfig) -> list[str]:
     """Drop the MTP embedding/head copies that equal the main model's (DeepSeek-V3 shares them, so
     holding them would cost a second embedding and head); return the names of those that differ."""
@@ -370,7 +392,7 @@ def load_checkpoint(
     config = read_config(d)
     if verify:
         verify_hashes(d)
-    state = load_state_dict(d)
+    state = text_model_state(load_state_dict(d), config)
     own_copies = _split_mtp_copies(state, config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

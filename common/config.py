@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from baton.common.errors import UserError
 from baton.common.families import (
+    DELTANET_FAMILIES,
     FAMILY_FIELDS,
     NORM_TOPK_FAMILIES,
     apply_family_defaults,
+    deltanet_parameters,
     mla_parameters,
     validate_family,
     validate_features,
@@ -36,10 +38,10 @@ MODEL_TYPES = (
     "gemma3_text",
     "gpt_oss",
 )
-MODEL_TYPES += ("olmo2", "deepseek_v3")
+MODEL_TYPES += ("olmo2", "deepseek_v3", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the gated MLP's activation: SwiGLU or GeGLU (Gemma)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")  # linear: a Gated DeltaNet mixer
 BAMBA_FIELDS = (
     "attn_layer_indices",
     "mamba_n_heads",
@@ -136,6 +138,17 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # the routed experts' weights times this
     first_k_dense_replace: int = 0  # layers below this keep a dense MLP (intermediate_size wide)
     num_nextn_predict_layers: int = 0  # MTP modules after the last layer (HF's num_mtp_layers)
+    # Qwen3.5 / Qwen3-Next (HF's names; families.DELTANET_FIELDS): Gated DeltaNet mixers in the layers whose
+    # layer_types entry is "linear_attention" (common/gated_deltanet.py), gated attention in the others
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_conv_kernel_dim: int | None = None
+    full_attention_interval: int | None = None  # a recipe's layer_types: layer i full when (i + 1) % it == 0
+    partial_rotary_factor: float | None = None  # rope turns int(head_dim * factor) channels; None: all
+    attn_output_gate: bool = False  # q_proj also emits a gate per head: o_proj(attn * sigmoid(gate))
+    shared_expert_intermediate_size: int | None = None  # one always-on expert, its output times sigmoid(gate(x))
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # HF keys we carry through
 
     def __post_init__(self) -> None:
@@ -292,11 +305,24 @@ class ModelConfig:
     # ------------------------------------------------------------------------------ derived
     @property
     def is_hybrid(self) -> bool:
-        """Some layers hold a recurrent (Mamba2) mixer instead of attention."""
-        return self.model_type == "bamba"
+        """Some layers hold a recurrent mixer instead of attention (`mixer` says which)."""
+        return self.mixer is not None
+
+    @property
+    def mixer(self) -> str | None:
+        """The recurrent layers' kind: "mamba2" (Bamba, common/ssm.py), "gated_deltanet" (Qwen3.5,
+        Qwen3-Next: common/gated_deltanet.py) or None (attention in every layer)."""
+        if self.model_type == "bamba":
+            return "mamba2"
+        return "gated_deltanet" if self.model_type in DELTANET_FAMILIES else None
 
     def is_attention_layer(self, layer_idx: int) -> bool:
-        return not self.is_hybrid or layer_idx in (self.attn_layer_indices or [])
+        """Attention, not a mixer, in this layer (MTP blocks, past the last layer, are attention)."""
+        if self.mixer == "mamba2":
+            return layer_idx in (self.attn_layer_indices or [])
+        if self.mixer == "gated_deltanet" and layer_idx < self.num_hidden_layers:
+            return self.layer_types[layer_idx] != "linear_attention"
+        return True
 
     @property
     def is_mla(self) -> bool:
@@ -309,7 +335,9 @@ class ModelConfig:
         MLA: the qk_rope_head_dim channels of the query and the shared key)."""
         if self.is_mla:
             return self.qk_rope_head_dim
-        return self.head_dim // 2 if self.is_hybrid else self.head_dim
+        if self.partial_rotary_factor is not None:
+            return int(self.head_dim * self.partial_rotary_factor)
+        return self.head_dim // 2 if self.model_type == "bamba" else self.head_dim
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Routed experts in this layer (Qwen3-MoE may keep dense MLPs in some; DeepSeek-V3 its first
@@ -351,11 +379,15 @@ class ModelConfig:
         if self.qkv_bias:
             attn += d * (hq + 2 * hkv)
         attn += {None: 0, "head": 2 * d, "full": (hq + hkv) * d}[self.qk_norm] + (hq if self.attention_sinks else 0)
+        if self.attn_output_gate:  # q_proj's second half, the gate
+            attn += hq * d * (h + self.attention_bias)
         if self.is_mla:
             attn = mla_parameters(self)
         e, ie = self.num_local_experts, self.expert_intermediate_size
         moe = e * 3 * h * ie + h * e + (e if self.router_bias else 0) + (e * (2 * ie + h) if self.expert_bias else 0)
         moe += 3 * h * ie * self.n_shared_experts
+        if self.shared_expert_intermediate_size:  # the shared expert and its gate
+            moe += 3 * h * self.shared_expert_intermediate_size + h
         layers = range(self.num_hidden_layers)
         ffn = sum(moe if self.is_moe_layer(j) else 3 * h * i for j in layers)
         norms = {"pre": 2, "sandwich": 4, "post": 2}[self.norm_layout] * h
@@ -368,6 +400,8 @@ class ModelConfig:
         return body + self.num_nextn_predict_layers * mtp
 
     def _mixer_parameters(self) -> int:
+        if self.mixer == "gated_deltanet":
+            return deltanet_parameters(self)
         inner, heads = self.mamba_expand * self.hidden_size, self.mamba_n_heads
         conv_dim = inner + 2 * self.mamba_n_groups * self.mamba_d_state
         proj = self.hidden_size * (inner + conv_dim + heads) + inner * self.hidden_size
@@ -387,7 +421,7 @@ class ModelConfig:
         for name in FAMILY_FIELDS:
             if d[name] == defaults[name] or (name == "norm_topk_prob" and self.model_type not in NORM_TOPK_FAMILIES):
                 d.pop(name)
-        if not self.is_hybrid:
+        if self.model_type != "bamba":
             for name in BAMBA_FIELDS:
                 d.pop(name)
         return d

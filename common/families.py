@@ -35,8 +35,12 @@ FAMILY_FEATURES: dict[str, dict[str, Any]] = {
     "gpt_oss": {"attention_sinks": True, "router_bias": True, "expert_bias": True},
     "olmo2": {"qk_norm": "full", "norm_layout": "post"},
 }
+# Qwen3.5 (dense and MoE) and Qwen3-Next: Gated DeltaNet mixers between gated attention layers, RMSNorms of (1 + w).
+DELTANET_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+for _t in DELTANET_FAMILIES:
+    FAMILY_FEATURES[_t] = {"qk_norm": "head", "norm_weight_offset": 1.0, "attn_output_gate": True}
 STRUCTURAL = ("qk_norm", "norm_layout", "norm_weight_offset", "scale_embeddings", "hidden_act", "attention_sinks")
-STRUCTURAL += ("router_bias", "expert_bias")
+STRUCTURAL += ("router_bias", "expert_bias", "attn_output_gate")
 GEMMA_FIELDS = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_rope_theta")
 # Values a family's config may change, filled in where a config leaves them unset (None).
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -44,6 +48,21 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt_oss": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0},
     "deepseek_v3": {"rope_interleave": True},
 }
+# transformers' defaults for the DeltaNet families (what a config.json or recipe that leaves them out means)
+DELTANET_DEFAULTS = dict(
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    partial_rotary_factor=0.25,
+)
+FAMILY_DEFAULTS.update({t: dict(DELTANET_DEFAULTS) for t in DELTANET_FAMILIES})
+DELTANET_FIELDS = tuple(DELTANET_DEFAULTS) + (
+    "full_attention_interval",
+    "attn_output_gate",
+    "shared_expert_intermediate_size",
+)
 # DeepSeek-V3's own fields (HF's names): every other family leaves them at their defaults ("off").
 DEEPSEEK_FIELDS = (
     "kv_lora_rank",
@@ -79,7 +98,10 @@ FAMILY_FIELDS = (
     "swiglu_alpha",
     "swiglu_limit",
 ) + DEEPSEEK_FIELDS
-NORM_TOPK_FAMILIES = ("qwen3_moe", "deepseek_v3")  # the families whose config says whether to renormalise
+FAMILY_FIELDS += DELTANET_FIELDS
+NORM_TOPK_FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen3_next")  # the families whose config says whether to renormalise
+MOE_WIDTH_FAMILIES = NORM_TOPK_FAMILIES + ("qwen3_5_moe_text",)  # ... whose experts have a width of their own
+SPARSE_STEP_FAMILIES = ("qwen3_moe", "qwen3_next")  # mlp_only_layers and decoder_sparse_step
 
 
 def apply_family_defaults(cfg) -> None:
@@ -93,6 +115,15 @@ def apply_family_defaults(cfg) -> None:
             setattr(cfg, name, value)
     if cfg.norm_topk_prob is None:
         cfg.norm_topk_prob = True
+    if cfg.model_type in DELTANET_FAMILIES:
+        step = cfg.full_attention_interval
+        if cfg.layer_types is None and (step is None or (isinstance(step, int) and step > 0)):
+            step = step or 4  # (HF's default: three DeltaNet layers, then one attention layer)
+            kinds = ("linear_attention", "full_attention")
+            cfg.layer_types = [kinds[(i + 1) % step == 0] for i in range(cfg.num_hidden_layers)]
+            cfg.full_attention_interval = None  # (consumed: layer_types is the one truth from here on)
+        if cfg.num_local_experts > 0 and cfg.shared_expert_intermediate_size is None:
+            cfg.shared_expert_intermediate_size = 512
 
 
 def validate_features(cfg, need) -> None:
@@ -124,13 +155,13 @@ def validate_features(cfg, need) -> None:
 def validate_family(cfg, need) -> None:
     """The exported config.json must mean the same thing to transformers."""
     t = cfg.model_type
-    moe_families = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+    moe_families = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
     need(
         t in moe_families or cfg.num_local_experts == 0,
         f"model_type {t!r} has no MoE; use one of {moe_families} for num_local_experts > 0",
     )
     need(
-        t not in ("mixtral", "gpt_oss") or cfg.num_local_experts > 0,
+        t not in ("mixtral", "gpt_oss", "qwen3_5_moe_text") or cfg.num_local_experts > 0,
         f"model_type {t!r} needs num_local_experts > 0",
     )
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
@@ -151,11 +182,12 @@ def validate_family(cfg, need) -> None:
         f"the clamped SwiGLU (swiglu_alpha/limit) is gpt-oss's and only gpt-oss's, model_type {t!r}",
     )
     need(
-        t in NORM_TOPK_FAMILIES or cfg.moe_intermediate_size is None,
-        f"moe_intermediate_size is {NORM_TOPK_FAMILIES}'s; model_type {t!r} has none",
+        t in MOE_WIDTH_FAMILIES or cfg.moe_intermediate_size is None,
+        f"moe_intermediate_size is {MOE_WIDTH_FAMILIES}'s; model_type {t!r} has none",
     )
-    need(t == "qwen3_moe" or cfg.mlp_only_layers is None, f"mlp_only_layers is Qwen3-MoE's; model_type {t!r} has none")
-    need(t == "qwen3_moe" or cfg.decoder_sparse_step == 1, f"decoder_sparse_step is Qwen3-MoE's; not {t!r}'s")
+    sparse = SPARSE_STEP_FAMILIES
+    need(t in sparse or cfg.mlp_only_layers is None, f"mlp_only_layers is {sparse}'s; model_type {t!r} has none")
+    need(t in sparse or cfg.decoder_sparse_step == 1, f"decoder_sparse_step is {sparse}'s; not {t!r}'s")
     need(
         t in NORM_TOPK_FAMILIES or cfg.norm_topk_prob,
         f"model_type {t!r} always renormalises the top-k routing weights (norm_topk_prob is {NORM_TOPK_FAMILIES}'s)",
@@ -163,9 +195,13 @@ def validate_family(cfg, need) -> None:
     if t == "deepseek_v3":
         validate_deepseek(cfg, need)
     else:
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         for name in DEEPSEEK_FIELDS:
             need(getattr(cfg, name) == defaults[name], f"{name} is DeepSeek-V3's; model_type {t!r} has none")
+    if t in DELTANET_FAMILIES:
+        validate_deltanet(cfg, need)
+    else:
+        for name in DELTANET_FIELDS:
+            need(getattr(cfg, name) == defaults[name], f"{name} is {DELTANET_FAMILIES}'s; model_type {t!r} has none")
     need(
         (t == "qwen2") == cfg.qkv_bias,
         "qkv_bias (bias on q,k,v only) is exactly Qwen2's: set both or neither of "
@@ -184,7 +220,7 @@ def validate_family(cfg, need) -> None:
         f"model_type {t!r} has no sliding-window attention",
     )
     need(
-        t in ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+        t in ("qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss") + DELTANET_FAMILIES
         or cfg.layer_types is None
         or set(cfg.layer_types) == {"sliding_attention"}
         or set(cfg.layer_types) == {"full_attention"},
@@ -248,3 +284,60 @@ def mla_parameters(cfg) -> int:
     q = h * q_out if cfg.q_lora_rank is None else (h + 1 + q_out + bias) * cfg.q_lora_rank
     kv_a = (h + bias) * (kv + r) + kv
     return q + kv_a + kv * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) + heads * cfg.v_head_dim * h + bias * h
+
+
+def validate_deltanet(cfg, need) -> None:
+    """The Gated DeltaNet families' shapes (what HF's Qwen3_5 / Qwen3Next modules need to build)."""
+    t = cfg.model_type
+    for name in tuple(DELTANET_DEFAULTS)[:5]:
+        v = getattr(cfg, name)
+        need(
+            isinstance(v, int) and not isinstance(v, bool) and v > 0,
+            f"{t}: {name} must be a positive integer, got {v!r}",
+        )
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    need(
+        hv % hk == 0,
+        f"{t}: linear_num_value_heads ({hv}) must be divisible by linear_num_key_heads ({hk}): each query/key "
+        "head serves a whole group of value heads",
+    )
+    step = cfg.full_attention_interval
+    need(
+        step is None,
+        f"{t}: full_attention_interval must be a positive integer, got {step!r}"
+        if not (isinstance(step, int) and step > 0)
+        else f"{t}: give layer_types or full_attention_interval, not both",
+    )
+    kinds = ("linear_attention", "full_attention")
+    bad = [k for k in cfg.layer_types if k not in kinds]
+    need(not bad, f"{t}: layer_types entries must be in {kinds}, got {bad[0]!r}" if bad else "")
+    need(cfg.sliding_window is None, f"{t} has no sliding-window attention (sliding_window must be null)")
+    f, r = cfg.partial_rotary_factor, cfg.rotary_dim
+    need(
+        isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1,
+        f"{t}: partial_rotary_factor must be in (0, 1], got {f!r}",
+    )
+    need(
+        r >= 2 and r % 2 == 0,
+        f"{t}: partial_rotary_factor {f} turns {r} of head_dim's {cfg.head_dim} channels: "
+        "rotary embeddings need an even number of them",
+    )
+    shared = cfg.shared_expert_intermediate_size
+    if cfg.num_local_experts > 0:
+        need(
+            isinstance(shared, int) and not isinstance(shared, bool) and shared > 0,
+            f"{t}: shared_expert_intermediate_size must be a positive integer (every MoE layer has a gated "
+            f"shared expert), got {shared!r}",
+        )
+    else:
+        need(shared is None, f"{t}: shared_expert_intermediate_size is the MoE layers' shared expert: no experts here")
+
+
+def deltanet_parameters(cfg) -> int:
+    """One GatedDeltaNet layer's parameters (projections, conv, dt_bias, A_log, norm, out_proj)."""
+    h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+    key, value = cfg.linear_num_key_heads * cfg.linear_key_head_dim, hv * cfg.linear_value_head_dim
+    conv = 2 * key + value
+    return (
+        h * (conv + value + 2 * hv) + conv * cfg.linear_conv_kernel_dim + 2 * hv + cfg.linear_value_head_dim + value * h
+    )

@@ -23,6 +23,7 @@ from baton.common.checkpoint import (
     load_state_dict,
     read_config,
     save_checkpoint,
+    text_model_state,
     write_weights,
 )
 from baton.common.config import DTYPES, ConfigError, ModelConfig
@@ -62,18 +63,24 @@ _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen3_moe": ("mlp", Qwen3Expert.names),
     "deepseek_v3": ("mlp", Qwen3Expert.names),
+    "qwen3_next": ("mlp", Qwen3Expert.names),
+    "qwen3_5_moe_text": ("mlp", Qwen3Expert.names),
 }
 
 
 def normalize_hf_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF's tensors under Baton's (= HF's on-disk) names. Also accepted:
 
-    - transformers-5 in-memory names (a state dict saved from a loaded model): Mixtral's,
-      Qwen3-MoE's and DeepSeek-V3's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up) and `down_proj`
-      [E, H, I] are split per expert (gpt-oss's stacked experts are its checkpoint names: kept);
+    - transformers-5 in-memory names (a state dict saved from a loaded model): Mixtral's, Qwen3-MoE's,
+      Qwen3-Next's, Qwen3.5-MoE's and DeepSeek-V3's fused `mlp.experts.gate_up_proj` [E, 2I, H] (gate
+      rows, then up) and `down_proj` [E, H, I] are split per expert (gpt-oss's stacked experts are its
+      checkpoint names: kept);
     - MXFP4 expert weights (gpt-oss hub checkpoints, `quantization_config.quant_method: mxfp4`):
       `*_blocks`/`*_scales` are dequantized to the bf16 layout, in the dtype of the checkpoint's
-      other weights (baton.common.mxfp4)."""
+      other weights (baton.common.mxfp4);
+    - Qwen3.5's model.language_model.* names (its vision tower and both families' mtp.* dropped:
+      checkpoint.text_model_state)."""
+    state = text_model_state(state, cfg)
     if any(name.endswith("_blocks") for name in state):
         state = dequantize_state_dict(state, _weights_dtype(state, cfg))
     out: dict[str, torch.Tensor] = {}

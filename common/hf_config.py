@@ -8,11 +8,15 @@ whole HF directories, which re-exports these names).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from baton.common.config import BAMBA_FIELDS, DTYPES, HIDDEN_ACTS, LAYER_TYPES, ConfigError, ModelConfig
+from baton.common.families import DELTANET_DEFAULTS, DELTANET_FAMILIES
 
-MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3")
+log = logging.getLogger(__name__)
+
+MOE_TYPES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "qwen3_next", "qwen3_5_moe_text")
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -27,6 +31,9 @@ ARCHITECTURES = {
     "gpt_oss": "GptOssForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 # transformers' DeepseekV3Config defaults: what a config.json that leaves a key out means.
 DEEPSEEK_HF_DEFAULTS: dict[str, Any] = dict(
@@ -50,6 +57,17 @@ DEEPSEEK_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "moe_l
 LAYER_TYPED = ("qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
 # Multimodal wrappers whose text model Baton reads under its own model_type.
 TEXT_ONLY = {"gemma3": "gemma3_text"}
+# ... and those whose config.json nests it (text_config): Baton reads that part, and a checkpoint's
+# weights under model.language_model.* (checkpoint.text_model_state drops the vision tower's).
+NESTED_TEXT = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# transformers' defaults of the DeltaNet families' MoE fields (Qwen3-Next's, then Qwen3.5-MoE's)
+DELTANET_MOE_DEFAULTS = {
+    "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512),
+    "qwen3_5_moe_text": dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512),
+}
+# Rope keys that are not a frequency scaling: the rotated share (the families' own field) and
+# Qwen3.5's multimodal rope sections, which are plain rope for text (every section the same position).
+ROPE_EXTRA_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
 def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -62,6 +80,8 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     else:
         theta = d.get("rope_theta", 10000.0)
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else {}
+    for key in ROPE_EXTRA_KEYS:
+        scaling.pop(key, None)
     if "type" in scaling:  # (the old spelling; transformers 5 writes both)
         scaling.setdefault("rope_type", scaling["type"])
         scaling.pop("type")
@@ -71,7 +91,9 @@ def _rope_from_hf(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def config_from_hf(d: dict[str, Any]) -> ModelConfig:
-    """A Baton config from an HF config.json dict (Llama, Mistral, Qwen2, Mixtral or Bamba)."""
+    """A Baton config from an HF config.json dict (any family in ARCHITECTURES, or a multimodal
+    Qwen3.5 config's text part)."""
+    d = _text_config(d)
     model_type = d.get("model_type")
     if model_type in TEXT_ONLY:
         raise ConfigError(
@@ -103,7 +125,8 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     kwargs: dict[str, Any] = dict(
         vocab_size=d["vocab_size"],
         hidden_size=d["hidden_size"],
-        intermediate_size=d["intermediate_size"],
+        # (Qwen3.5-MoE has no dense MLP and no intermediate_size: its experts' width stands in)
+        intermediate_size=d["intermediate_size"] if "intermediate_size" in d else _expert_width(d),
         num_hidden_layers=d["num_hidden_layers"],
         num_attention_heads=d["num_attention_heads"],
         num_key_value_heads=d.get("num_key_value_heads"),
@@ -132,8 +155,66 @@ def config_from_hf(d: dict[str, Any]) -> ModelConfig:
     )
     if model_type == "bamba":
         kwargs.update(_bamba_from_hf(d))
+    if model_type in DELTANET_FAMILIES:
+        kwargs.update(_deltanet_from_hf(d, model_type))
     kwargs.update(_family_from_hf(d, model_type))
     return ModelConfig(**kwargs)
+
+
+def _text_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Qwen3.5 config.json's text_config, with the keys its wrapper holds for it: dtype and
+    token ids where the text part leaves them out, and tied embeddings always (transformers ties the
+    wrapper's lm_head by the wrapper's own flag); any other dict unchanged."""
+    outer = d.get("model_type")
+    if outer not in NESTED_TEXT:
+        return d
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"model_type {outer!r} is a multimodal config: its text model must be in text_config")
+    inherited = ("dtype", "torch_dtype", "bos_token_id", "eos_token_id", "pad_token_id")
+    text = {**{k: d[k] for k in inherited if k in d}, "model_type": NESTED_TEXT[outer], **text}
+    text["tie_word_embeddings"] = d.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    log.info(
+        "config.json is a multimodal %s model: reading its text model (%s, %s); the vision tower is not loaded",
+        outer,
+        text["model_type"],
+        ARCHITECTURES.get(text["model_type"], "?"),
+    )
+    return text
+
+
+def _expert_width(d: dict[str, Any]) -> int:
+    return d.get(
+        "moe_intermediate_size", DELTANET_MOE_DEFAULTS.get(d.get("model_type"), {}).get("moe_intermediate_size", 0)
+    )
+
+
+def _deltanet_from_hf(d: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3-Next fields, transformers' defaults where config.json leaves them out."""
+    n = d["num_hidden_layers"]
+    out: dict[str, Any] = {k: d.get(k, v) for k, v in DELTANET_DEFAULTS.items() if k != "partial_rotary_factor"}
+    rope = d.get("rope_parameters") or {}
+    out["partial_rotary_factor"] = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    step = d.get("full_attention_interval", 4)
+    types = d.get("layer_types") or ["full_attention" if (i + 1) % step == 0 else "linear_attention" for i in range(n)]
+    out.update(layer_types=list(types), sliding_window=None, head_dim=d.get("head_dim", 256))
+    moe = DELTANET_MOE_DEFAULTS.get(model_type)
+    if moe is None:
+        return out
+    experts = d.get("num_experts", moe["num_experts"])
+    out.update(
+        num_local_experts=experts,
+        num_experts_per_tok=d.get("num_experts_per_tok", moe["num_experts_per_tok"]),
+        moe_intermediate_size=_expert_width(d),
+        shared_expert_intermediate_size=d.get("shared_expert_intermediate_size", 512) if experts else None,
+    )
+    if model_type == "qwen3_next":
+        out.update(
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            mlp_only_layers=list(d.get("mlp_only_layers") or []) or None,
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        )
+    return out
 
 
 def _layer_types_from_hf(d: dict[str, Any], model_type: str) -> tuple[int | None, list[str] | None]:
@@ -291,6 +372,8 @@ def _family_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
             num_experts_per_tok=cfg.num_experts_per_tok,
             num_nextn_predict_layers=cfg.num_nextn_predict_layers,
         )
+    if t in DELTANET_FAMILIES:
+        _deltanet_to_hf(cfg, d)
     if t not in LAYER_TYPED and t != "olmo2":
         return
     d["attention_bias"] = cfg.attention_bias
@@ -333,4 +416,27 @@ def _family_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
                 "full_attention": d["rope_parameters"],
                 "sliding_attention": {"rope_theta": cfg.sliding_rope_theta or cfg.rope_theta, "rope_type": "default"},
             },
+        )
+
+
+def _deltanet_to_hf(cfg: ModelConfig, d: dict[str, Any]) -> None:
+    """Qwen3.5 / Qwen3-Next keys as transformers 5.25's save_pretrained writes them."""
+    d.update({k: getattr(cfg, k) for k in DELTANET_DEFAULTS if k != "partial_rotary_factor"})
+    d["rope_parameters"]["partial_rotary_factor"] = cfg.partial_rotary_factor
+    d.update(attention_bias=cfg.attention_bias, layer_types=list(cfg.layer_types))
+    if cfg.model_type == "qwen3_5_text":
+        return
+    d.update(
+        num_experts=cfg.num_local_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.expert_intermediate_size,
+        shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0,
+    )
+    if cfg.model_type == "qwen3_5_moe_text":
+        d.pop("intermediate_size")  # (no dense MLP anywhere: transformers' config has no such key)
+    else:
+        d.update(
+            norm_topk_prob=cfg.norm_topk_prob,
+            mlp_only_layers=list(cfg.mlp_only_layers or []),
+            decoder_sparse_step=cfg.decoder_sparse_step,
         )

@@ -2,9 +2,10 @@
 
 Covers Llama (GQA/MQA, llama3 rope scaling, optional attention bias), Mistral (sliding window),
 Qwen2 (q/k/v bias), Mixtral (top-k routed SwiGLU experts), the hybrid Bamba (Mamba2 mixers,
-baton.common.ssm, in the layers that hold no attention), the 2025-26 families (common/families.py)
-and DeepSeek-V3 (latent attention, common/mla.py; its MTP modules, common/mtp.py). Parameter names equal the Hugging
-Face checkpoint names, so a state dict is a checkpoint and vice versa.
+baton.common.ssm, in the layers that hold no attention), the 2025-26 families (common/families.py),
+DeepSeek-V3 (latent attention, common/mla.py; its MTP modules, common/mtp.py) and the Qwen3.5 /
+Qwen3-Next hybrids (Gated DeltaNet mixers, common/gated_deltanet.py, between gated attention layers).
+Parameter names equal the Hugging Face checkpoint names, so a state dict is a checkpoint and vice versa.
 
 The model never decides how attention is computed: the attention core (scores, softmax, ·V) is a
 backend passed to forward, the way vLLM and nano-vllm pass attention metadata. Training uses
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
 from baton.common.deepseek_moe import DeepSeekMoE
+from baton.common.gated_deltanet import GatedDeltaNet
 from baton.common.mla import MLAttention
 from baton.common.moe import GptOssExperts, build_moe
 from baton.common.mtp import MTPLayer, checkpoint_name
@@ -91,7 +93,9 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention with the options of every family Baton reads: q/k RMSNorm per head or
     over the whole projection, a softmax scale of its own, soft-capped scores, learned sinks, a
-    sliding window and a rope of its own per layer type. The attention core is the backend's."""
+    sliding window, a rope of its own per layer type, partial rotary and an output gate (Qwen3.5 /
+    Qwen3-Next: q_proj emits each head's query then its gate, and the output is attn * sigmoid(gate)
+    before o_proj). The attention core is the backend's."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -101,15 +105,20 @@ class Attention(nn.Module):
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.scaling = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5 * attention_factor(cfg.rope_scaling) ** 2
         self.rotary_dim = cfg.rotary_dim
+        # YaRN's factor on cos/sin reaches only the rotated channels: with all of them rotated it folds
+        # into the softmax scale (squared), with some it multiplies the rotated part of q and k.
+        factor = attention_factor(cfg.rope_scaling)
+        self.rope_factor = factor if self.rotary_dim < self.head_dim else 1.0
+        self.scaling = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5 * (factor / self.rope_factor) ** 2
         self.sliding_window = cfg.sliding_window if cfg.is_sliding(layer_idx) else None
         # Row of the model's inv_freq this layer rotates with, where sliding layers have a rope of their own.
         self.rope_index = int(cfg.is_sliding(layer_idx)) if cfg.sliding_rope_theta is not None else None
         self.logit_softcap = cfg.attn_logit_softcapping
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
         h, d = cfg.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.output_gate = cfg.attn_output_gate
+        self.q_proj = nn.Linear(h, self.num_heads * d * (2 if self.output_gate else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=cfg.attention_bias)
@@ -128,9 +137,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = self.project(x)
+        gate = None
+        if self.output_gate:  # per head [query (head_dim), gate (head_dim)]
+            q, gate = q.view(b, s, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(b, s, self.num_heads, self.head_dim)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
@@ -153,10 +165,18 @@ class Attention(nn.Module):
                 cos.reshape(t, -1),
                 sin.reshape(t, -1),
             )
+            if self.rope_factor != 1.0:
+                qr, kr = qr * self.rope_factor, kr * self.rope_factor
             q = torch.cat([qr.view(b, s, self.num_heads, r), q[..., r:]], dim=-1)
             k = torch.cat([kr.view(b, s, self.num_kv_heads, r), k[..., r:]], dim=-1)
         out = attn(q.view(b, s, self.num_heads, -1), k.view(b, s, self.num_kv_heads, -1), v, self)
-        return self.o_proj(out.reshape(b, -1, self.num_heads * self.head_dim))  # -1: the rows answered
+        out = out.reshape(b, -1, self.num_heads * self.head_dim)  # -1: the rows answered
+        if gate is not None:
+            gate = gate.reshape(b, s, -1)
+            if out.shape[1] != s:
+                gate = gate[:, attn.query_rows]
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -191,7 +211,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if cfg.is_mla else Attention(cfg, layer_idx)
+        if not cfg.is_attention_layer(layer_idx):  # a Gated DeltaNet layer (Qwen3.5, Qwen3-Next)
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = MLAttention(cfg, layer_idx, RMSNorm) if cfg.is_mla else Attention(cfg, layer_idx)
         self.ffn_name = cfg.moe_attribute if cfg.is_moe_layer(layer_idx) else "mlp"
         if cfg.is_moe_layer(layer_idx):  # (DeepSeekMoE subclasses moe.MoE, so build_moe cannot make it)
             setattr(self, self.ffn_name, DeepSeekMoE(cfg) if cfg.model_type == "deepseek_v3" else build_moe(cfg))
@@ -211,9 +234,18 @@ class DecoderLayer(nn.Module):
     def ffn(self) -> nn.Module:
         return getattr(self, self.ffn_name)
 
+    def token_mixer(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend):
+        """Attention, or the layer's Gated DeltaNet: run by a backend that carries recurrent state
+        (its `mix`, as for Bamba's mixers), else over whole sequences from a zero state (training)."""
+        mixer = self._modules.get("linear_attn")
+        if mixer is None:
+            return self.self_attn(h, cos, sin, attn)
+        mix = getattr(attn, "mix", None)
+        return mixer(h)[0] if mix is None else mix(mixer, h)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         post = self.norm_layout == "post"
-        a = self.self_attn(x if post else self.input_layernorm(x), cos, sin, attn)
+        a = self.token_mixer(x if post else self.input_layernorm(x), cos, sin, attn)
         if a.shape[1] != x.shape[1]:  # the backend answered only its query_rows (a server's last layer)
             x = x[:, attn.query_rows]
         if self.norm_layout != "pre":
@@ -256,9 +288,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5 if cfg.scale_embeddings else None
-        layer = HybridDecoderLayer if cfg.is_hybrid else DecoderLayer
+        bamba = cfg.model_type == "bamba"
+        layer = HybridDecoderLayer if bamba else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_hidden_layers))
-        if cfg.is_hybrid:  # Bamba's checkpoint name for the final norm
+        if bamba:  # Bamba's checkpoint name for the final norm
             self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         else:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_offset)
@@ -404,6 +437,8 @@ def init_weights(model: CausalLM, seed: int | None = None) -> CausalLM:
                 module.weight.fill_(1.0 - module.offset)
             elif isinstance(module, Mamba2Mixer):
                 module.reset_ssm_parameters()
+            elif isinstance(module, GatedDeltaNet):
+                module.reset_parameters(gen)
             elif isinstance(module, GptOssExperts):  # (stacked expert tensors, not nn.Linear)
                 module.reset_parameters(std, gen)
     return model

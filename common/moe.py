@@ -12,6 +12,8 @@ the family's checkpoint name (cfg.moe_attribute). Four families, HF's routing an
   columns, biases, `experts.down_proj` [E, I, H]) and a clamped SwiGLU.
 - DeepSeek-V3 (`mlp`): common/deepseek_moe.py's DeepSeekMoE, a subclass (sigmoid, group-limited routing
   with a correction bias, shared experts), which the decoder layer builds itself.
+- Qwen3-Next and Qwen3.5-MoE (`mlp`, SharedExpertMoE): Qwen3-MoE's routing and experts plus one
+  `shared_expert` on every token, its output times sigmoid(`shared_expert_gate`(x)).
 
 The experts run over token-slots sorted by expert, either one matmul chain per expert (`loop`: the
 reference, and what expert parallelism's per-expert FSDP units and quantized experts need) or as a
@@ -55,6 +57,9 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+QWEN_MOE_FAMILIES = ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text")  # Qwen3Expert's names, rounded weights
 
 
 class Qwen3Expert(nn.Module):
@@ -163,9 +168,10 @@ class MoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
-        self.round_weights = cfg.model_type == "qwen3_moe"  # HF Qwen3-MoE rounds them to the logits' dtype
+        qwen = cfg.model_type in QWEN_MOE_FAMILIES
+        self.round_weights = qwen  # HF's Qwen MoEs round them to the logits' dtype
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
-        expert = Qwen3Expert if cfg.model_type == "qwen3_moe" else Expert
+        expert = Qwen3Expert if qwen else Expert
         self.experts = nn.ModuleList(
             expert(cfg.hidden_size, cfg.expert_intermediate_size) for _ in range(cfg.num_local_experts)
         )
@@ -400,10 +406,28 @@ class GptOssMoE(MoE):
         return True  # stacked already
 
 
+# ---------------------------------------------------------------------------- Qwen3-Next, Qwen3.5-MoE
+class SharedExpertMoE(MoE):
+    """The routed experts (Qwen3-MoE's routing, always renormalised in Qwen3.5-MoE) plus a shared
+    expert every token goes through, scaled per token by sigmoid(shared_expert_gate(x)) (HF's
+    Qwen3NextSparseMoeBlock). Expert parallelism and packing see the routed part only (`combine`,
+    `run_experts`); the shared expert is a dense MLP beside them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.shared_expert = Qwen3Expert(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
 def build_moe(cfg: ModelConfig) -> nn.Module:
     """The routed-experts block of cfg's family (forward: [..., H] -> [..., H])."""
     if cfg.model_type == "deepseek_v3":  # (it subclasses MoE: importing it here would close a circle)
         raise ValueError("DeepSeek-V3's block is baton.common.deepseek_moe.DeepSeekMoE(cfg); build_moe has none")
+    if cfg.shared_expert_intermediate_size:
+        return SharedExpertMoE(cfg)
     return GptOssMoE(cfg) if cfg.model_type == "gpt_oss" else MoE(cfg)
 
 

@@ -38,6 +38,28 @@ HF = {
         first_k_dense_replace=1,
     ),
 }
+DELTANET = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+HF |= {
+    "qwen3_5_text": transformers.Qwen3_5TextConfig(**SMALL, **DELTANET),
+    "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in SMALL.items() if k != "intermediate_size"},
+        **DELTANET,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+    ),
+    "qwen3_next": transformers.Qwen3NextConfig(
+        **SMALL, **DELTANET, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, mlp_only_layers=[0]
+    ),
+}
 
 
 def hf_dict(name: str, **changes) -> dict:
@@ -72,6 +94,22 @@ def test_a_recipe_names_the_family_and_gets_its_features():
     assert ModelConfig(**SMALL, model_type="olmo2").qk_norm == "full"
     assert ModelConfig(**SMALL, model_type="qwen3_moe", num_local_experts=4).norm_topk_prob is False
     assert ModelConfig(**SMALL, model_type="gpt_oss", num_local_experts=4).swiglu_limit == 7.0
+    q = ModelConfig(**{**SMALL, "num_hidden_layers": 8}, model_type="qwen3_5_text", full_attention_interval=2)
+    assert q.layer_types == ["linear_attention", "full_attention"] * 4 and q.full_attention_interval is None
+    assert (q.qk_norm, q.norm_weight_offset, q.attn_output_gate, q.rotary_dim) == ("head", 1.0, True, 4)
+    assert (q.linear_num_value_heads, q.linear_value_head_dim, q.mixer) == (32, 128, "gated_deltanet")
+    assert ModelConfig.from_dict(q.to_dict()) == q
+    moe = ModelConfig(**{**SMALL, "num_hidden_layers": 4}, model_type="qwen3_next", num_local_experts=4)
+    assert moe.shared_expert_intermediate_size == 512  # (transformers' defaults, and its 3:1 pattern)
+    assert moe.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_a_multimodal_qwen3_5_config_reads_its_text_part(caplog):
+    outer = transformers.Qwen3_5MoeConfig(text_config=hf_dict("qwen3_5_moe_text"), tie_word_embeddings=True)
+    with caplog.at_level("INFO", logger="baton.common.hf_config"):
+        cfg = config_from_hf(json.loads(outer.to_json_string()))
+    assert "multimodal qwen3_5_moe model: reading its text model (qwen3_5_moe_text" in caplog.text
+    assert cfg == config_from_hf(hf_dict("qwen3_5_moe_text", tie_word_embeddings=True))
 
 
 @pytest.mark.parametrize(
@@ -92,6 +130,17 @@ def test_a_recipe_names_the_family_and_gets_its_features():
         ("deepseek_v3", dict(topk_method="greedy"), "topk_method='greedy' is not supported"),
         ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func='softmax'"),
         ("deepseek_v3", dict(n_group=3), "divisible by n_group (3)"),
+        ("qwen3_next", dict(linear_num_value_heads=3), "linear_num_value_heads (3) must be divisible"),
+        ("qwen3_5_text", dict(linear_conv_kernel_dim=0), "linear_conv_kernel_dim must be a positive integer"),
+        ("qwen3_5_text", dict(layer_types=["linear_attention", "sliding_attention"]), "asks for sliding_attention"),
+        (
+            "qwen3_5_text",
+            dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.1}),
+            "partial_rotary_factor 0.1 turns 1 of head_dim's 16",
+        ),
+        ("qwen3_5_moe_text", dict(num_experts=0), "model_type 'qwen3_5_moe_text' needs num_local_experts > 0"),
+        ("qwen3_next", dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size must be a positive"),
+        ("qwen3_5_text", dict(model_type="qwen3_5"), "its text model must be in text_config"),
     ],
 )
 def test_a_field_baton_does_not_implement_is_refused_by_name(name, changes, message):
@@ -110,6 +159,15 @@ def test_a_field_baton_does_not_implement_is_refused_by_name(name, changes, mess
         (dict(model_type="mistral", num_local_experts=4), "has no MoE"),
         (dict(model_type="qwen3_moe", num_local_experts=4, mlp_only_layers=[7]), "mlp_only_layers"),
         (dict(model_type="llama", swiglu_alpha=1.0, swiglu_limit=7.0), "clamped SwiGLU"),
+        (dict(model_type="qwen3", linear_num_key_heads=4), "linear_num_key_heads is"),
+        (dict(model_type="qwen3", attn_output_gate=True), "model_type 'qwen3' has attn_output_gate=False"),
+        (dict(model_type="qwen3_5_text", full_attention_interval=0), "full_attention_interval must be a positive"),
+        (
+            dict(model_type="qwen3_5_text", full_attention_interval=2, layer_types=["full_attention"] * 2),
+            "give layer_types or full_attention_interval, not both",
+        ),
+        (dict(model_type="qwen3_5_text", num_local_experts=4), "model_type 'qwen3_5_text' has no MoE"),
+        (dict(model_type="qwen3_5_text", sliding_window=8), "has no sliding-window attention"),
     ],
 )
 def test_a_recipe_that_mixes_families_fails_before_any_work(fields, message):

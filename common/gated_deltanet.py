@@ -7,10 +7,10 @@ by dk ** -0.5, decay alpha = exp(g) and write strength beta:
     S <- S + k (beta (v - S^T k))^T               the delta rule: write only what S does not already predict
     o  = S^T q
 
-Two forms of that one recurrence, equal up to rounding: `recurrent_gated_delta_rule`, token by
-token (decode), and `chunk_gated_delta_rule`, the chunked WY/UT form (prefill and training: within a
-chunk the writes are solved for at once with one triangular solve, and the state crosses each chunk
-boundary once). With G_i the cumulative log decay inside a chunk starting from state S0, the writes
+The rule itself is a kernel (kernels/gated_delta.py: a float64 reference, the token loop for decode,
+the chunked WY/UT form for prefill and training - within a chunk the writes are solved for at once
+with one triangular solve, and the state crosses each chunk boundary once - and Triton on CUDA).
+With G_i the cumulative log decay inside a chunk starting from state S0, the writes
 u_i = beta_i (v_i - alpha_i S_{i-1}^T k_i) solve the unit lower-triangular system
 
     u_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) u_j = beta_i v_i - beta_i exp(G_i) S0^T k_i
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from baton.common.config import ModelConfig
 from baton.common.ssm import causal_conv1d
+from baton.kernels.gated_delta import gated_delta_rule, l2norm
 from torch import nn
 
 CHUNK_SIZE = 64  # (FLA's and HF's chunk)
@@ -48,96 +49,6 @@ class GatedDeltaNetState(NamedTuple):
 
     conv: torch.Tensor
     recurrent: torch.Tensor
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum x^2 + eps) over the last dim (FLA's and HF's form)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _heads_first(q, k, v, g, beta, scale):
-    """[B, S, H, d] inputs -> float32 [B, Hv, S, d] (q, k repeated per value head, q scaled), g and
-    beta [B, Hv, S]."""
-    rep = v.shape[2] // k.shape[2]
-    if rep > 1:
-        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v = (t.transpose(1, 2).float() for t in (q, k, v))
-    return q * scale, k, v, g.transpose(1, 2).float(), beta.transpose(1, 2).float()
-
-
-def _initial(state: torch.Tensor | None, b: int, h: int, dk: int, dv: int, device) -> torch.Tensor:
-    return torch.zeros(b, h, dk, dv, device=device) if state is None else state.float()
-
-
-def recurrent_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recurrence token by token. q, k [B, S, Hk, dk] (L2-normed), v [B, S, Hv, dv], g and beta
-    [B, S, Hv], initial_state [B, Hv, dk, dv] (None: zeros); scale: q's factor (None: dk ** -0.5).
-    Returns (o [B, S, Hv, dv], final state [B, Hv, dk, dv]), both float32."""
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
-    b, h, s, dk = k.shape
-    state = _initial(initial_state, b, h, dk, v.shape[-1], v.device)
-    out = []
-    for t in range(s):
-        state = state * g[:, :, t].exp()[..., None, None]
-        kt = k[:, :, t]
-        u = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", kt, state))
-        state = state + kt[..., :, None] * u[..., None, :]
-        out.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
-    return torch.stack(out, dim=2).transpose(1, 2), state
-
-
-def chunk_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    chunk_size: int = CHUNK_SIZE,
-    initial_state: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked (WY/UT) form, differentiable; same arguments and results as
-    recurrent_gated_delta_rule. The sequence is zero-padded to whole chunks: a padded token has g 0
-    (no decay) and beta 0 (no write), so it leaves the state as it was."""
-    q, k, v, g, beta = _heads_first(q, k, v, g, beta, scale)
-    b, h, s, dk = k.shape
-    dv = v.shape[-1]
-    c = chunk_size
-    pad = -s % c
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
-    n = (s + pad) // c
-    q, k, v = (t.reshape(b, h, n, c, -1) for t in (q, k, v))
-    g, beta = g.reshape(b, h, n, c), beta.reshape(b, h, n, c)
-    G = g.cumsum(-1)  # log decay from the chunk's start through token i
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j <= i
-    kb = k * beta[..., None]
-    system = (kb @ k.transpose(-1, -2)) * decay  # its strictly lower part; the solve takes a unit diagonal
-    rhs = torch.cat([v * beta[..., None], kb * G.exp()[..., None]], dim=-1)
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    writes, reads = solved.split([dv, dk], dim=-1)  # u = writes - reads @ S0
-    scores = (q @ k.transpose(-1, -2)) * decay
-    q_from_start = q * G.exp()[..., None]
-    k_to_end = k * (G[..., -1:] - G).exp()[..., None]
-    chunk_decay = G[..., -1].exp()[..., None, None]
-    state = _initial(initial_state, b, h, dk, dv, q.device)
-    out = []
-    for i in range(n):
-        u = writes[:, :, i] - reads[:, :, i] @ state
-        out.append(q_from_start[:, :, i] @ state + scores[:, :, i] @ u)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
-    return torch.cat(out, dim=2)[:, :, :s].transpose(1, 2), state
 
 
 class GatedDeltaNorm(nn.Module):
@@ -217,8 +128,8 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, state: GatedDeltaNetState | None = None
     ) -> tuple[torch.Tensor, GatedDeltaNetState]:
         """x [B, S, hidden] continuing from `state` (None: the sequences' start) -> (y [B, S, hidden],
-        the state after the last token). One token with a state runs the recurrent form (decode),
-        anything else the chunked form."""
+        the state after the last token). The kernel picks the rule's form (the token loop for a
+        decode, the chunked form for longer pieces and under autograd)."""
         bsz, s, _ = x.shape
         mixed, z, b, a = self.project(x)
         window = None if state is None else state.conv
@@ -230,10 +141,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         initial = None if state is None else state.recurrent
-        if s == 1 and state is not None:
-            o, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, initial)
-        else:
-            o, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, min(self.chunk_size, s), initial)
+        o, recurrent = gated_delta_rule(q, k, v, g, beta, initial, chunk_size=min(self.chunk_size, s))
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(bsz, s, self.value_dim)), GatedDeltaNetState(window, recurrent)
 

@@ -319,7 +319,10 @@ def reconcile_mtp(config: ModelConfig, names: Iterable[str]) -> ModelConfig:
     configs (transformers' own save_pretrained included) say 1 whether or not the weights are there.
     Some but not all of a module's tensors stay an error (validate_state_dict names the missing one)."""
     n = config.num_hidden_layers
-    if config.num_nextn_predict_layers == 0 or any(mtp_layer_of(name, n) is not None for name in names):
+    # (a training checkpoint holds them under their parameter names, mtp.{k}.*)
+    if config.num_nextn_predict_layers == 0 or any(
+        mtp_layer_of(name, n) is not None or name.startswith("mtp.") for name in names
+    ):
         return config
     log.info(
         "config.json says num_nextn_predict_layers=%d but the checkpoint has no model.layers.%d.* tensors: "

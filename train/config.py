@@ -15,6 +15,7 @@ from baton.common.config import ModelConfig
 from baton.common.data import DataConfig
 from baton.train.early_exit import EarlyExitConfig
 from baton.train.model_section import model_config
+from baton.train.mtp import MTPConfig, with_mtp
 from baton.train.parallel.layout import ParallelConfig, data_parallel_rank, data_parallel_size
 
 BACKENDS = ("torch", "deepspeed", "torch3d", "megatron")
@@ -95,11 +96,17 @@ class CheckpointConfig:
 
 @dataclass
 class MoEConfig:
-    """Router losses of MoE models (baton.train.moe), each averaged over the MoE layers; ignored
-    for dense models. Defaults: Switch's load-balancing alpha and ST-MoE's z-loss coefficient."""
+    """MoE training (baton.train.moe), ignored for dense models. None: the family's default.
+    Softmax-routed families (Mixtral, Qwen3-MoE, gpt-oss) add Switch's load-balancing loss and ST-MoE's
+    z-loss; deepseek_v3 (sigmoid scores plus a correction bias) balances as DeepSeek-V3 does instead:
+    the bias moves against each expert's load error after every step (baton.train.balancing), with an
+    optional small sequence-wise loss. Every loss is averaged over the MoE layers."""
 
-    aux_loss_coef: float = 0.01  # x Switch/Mixtral load-balancing loss (k when balanced)
-    z_loss_coef: float = 0.001  # x router z-loss, mean logsumexp(router logits)^2
+    aux_loss_coef: float | None = None  # x Switch/Mixtral load balancing (k when balanced); None: 0.01
+    z_loss_coef: float | None = None  # x router z-loss, mean logsumexp(router logits)^2; None: 0.001
+    # deepseek_v3 only (the others have no correction bias):
+    bias_update_rate: float | None = None  # the bias step per optimizer step (0: frozen); None: 0.001 (DeepSeek-V3)
+    seq_aux_loss_coef: float | None = None  # x DeepSeek-V3's sequence-wise balance loss; None: 0.0001 (DeepSeek-V3)
 
 
 @dataclass
@@ -129,7 +136,8 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)  # backend megatron's own options
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router loss coefficients
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses and expert balancing
+    mtp: MTPConfig = field(default_factory=MTPConfig)  # DeepSeek-V3's multi-token prediction (baton.train.mtp)
     early_exit: EarlyExitConfig = field(default_factory=EarlyExitConfig)  # LayerSkip (baton.train.early_exit)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -168,8 +176,9 @@ class TrainConfig:
     def model_config(self, vocab_size: int, exits: bool = True, **token_ids: Any) -> ModelConfig:
         """The model config; vocab size and special token ids come from the tokenizer (with
         init_from it is the checkpoint's; baton.train.model_section). `exits`: with the early exits
-        this run trains recorded (early_exit.exit_layers)."""
-        return model_config(self.model, self.init_from, self.early_exit.exit_layers, vocab_size, exits, token_ids)
+        this run trains recorded (early_exit.exit_layers); the MTP modules the `mtp` section trains."""
+        cfg = model_config(self.model, self.init_from, self.early_exit.exit_layers, vocab_size, exits, token_ids)
+        return with_mtp(cfg, self.mtp, self.init_from, self.model.get("num_nextn_predict_layers"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

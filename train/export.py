@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from baton.common.checkpoint import HandoffMetadata, expected_shapes, read_config, save_checkpoint
 from baton.common.config import ModelConfig
+from baton.common.mtp import module_name
 from baton.train.backends.readers import read_any
 from baton.train.checkpointing import Checkpointer, find_checkpoint, read_state
 from baton.train.config import PRECISIONS
@@ -37,8 +38,10 @@ def write_handoff(
 ) -> Path:
     """Write whole trained weights (by parameter name, as training keeps them) to `out_dir` as a
     handoff checkpoint in the config's dtype, atomically."""
-    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these.
-    state_dict = {name: weights[name].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
+    # A tied LM head is one parameter, stored once: the names the handoff expects are exactly these
+    # (DeepSeek-V3's MTP module k, trained as mtp.k.*, is model.layers.{num_hidden_layers + k}.*).
+    n = config.num_hidden_layers
+    state_dict = {name: weights[module_name(name, n)].to(dtype) for name, (_, dtype) in expected_shapes(config).items()}
     return save_checkpoint(out_dir, config, state_dict, tokenizer_dir=tokenizer_dir, metadata=metadata)
 
 

@@ -16,7 +16,10 @@ No rank ever holds the whole model where the backend shards it:
 - plain PyTorch / DDP and ZeRO-0/1/2 hold the whole model on every rank anyway: it is loaded whole,
   tensor by tensor, into a meta-built model (no random initialisation first).
 RoPE's inverse frequencies are a plain float32 CPU attribute computed in the constructor, so meta
-construction leaves them right; the model has no buffers.
+construction leaves them right. The only buffers, DeepSeek-V3's score-correction biases, are read like
+parameters. DeepSeek-V3's MTP modules are read from `model.layers.{num_hidden_layers + k}.*`
+(baton.common.mtp's names); a checkpoint's per-module copies of the embedding and LM head are not
+read: training shares the main model's, as DeepSeek-V3 does.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from baton.common.checkpoint import CheckpointError, expected_shapes
 from baton.common.config import ModelConfig
 from baton.common.model import CausalLM
+from baton.common.mtp import checkpoint_name, module_name
 from baton.common.weight_slices import WeightSlices
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -40,14 +44,16 @@ if TYPE_CHECKING:
 
 
 class PretrainedWeights(Mapping[str, torch.Tensor]):
-    """A checkpoint's weights by training parameter name (a tied LM head is the embedding), read
-    from its files on access, whole or one rank's slice, in float32. Made during the checks: a
-    missing tensor or a shape that does not fit the config is a CheckpointError before any work."""
+    """A checkpoint's weights (and persistent buffers) by training parameter name (a tied LM head is
+    the embedding; MTP module k is `mtp.k.*`), read from its files on access, whole or one rank's
+    slice, in float32. Made during the checks: a missing tensor or a shape that does not fit the
+    config is a CheckpointError before any work."""
 
     def __init__(self, directory: str | Path, config: ModelConfig):
         self.directory, self.config = Path(directory), config
         self.slices = WeightSlices(directory)
-        self.shapes = {name: shape for name, (shape, _) in expected_shapes(config).items()}
+        layers = config.num_hidden_layers
+        self.shapes = {module_name(name, layers): shape for name, (shape, _) in expected_shapes(config).items()}
         for name, shape in self.shapes.items():
             source = self._source(name)
             if source not in self.slices:
@@ -65,10 +71,13 @@ class PretrainedWeights(Mapping[str, torch.Tensor]):
     def _source(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return "model.embed_tokens.weight"
-        return name
+        return checkpoint_name(name, self.config.num_hidden_layers)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.slices.read(self._source(name)).float()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -115,6 +124,9 @@ class PretrainedWeights(Mapping[str, torch.Tensor]):
                         local.copy_(self.part(name, tuple(offset), tuple(shape)))
                 else:
                     p.copy_(self[name])
+            for name, b in module.named_buffers():  # (DeepSeek-V3's correction biases: whole on every rank)
+                if name in self.shapes:
+                    b.copy_(self[name])
             _check_loaded(module)
 
 

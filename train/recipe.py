@@ -29,6 +29,7 @@ from baton.train.config import (
     TrainConfig,
 )
 from baton.train.early_exit import EarlyExitConfig
+from baton.train.mtp import MTPConfig
 from baton.train.overrides import apply_overrides, build_section
 from baton.train.parallel.layout import ParallelConfig
 from baton.train.validate import validate
@@ -48,6 +49,7 @@ SECTIONS = {
     "parallel": ParallelConfig,
     "megatron": MegatronConfig,
     "early_exit": EarlyExitConfig,
+    "mtp": MTPConfig,
 }
 # megatron.<key> -> parallel.<key>: backend megatron's layout was its own section's before the
 # parallel section served every backend; recipes that still say so keep their meaning.

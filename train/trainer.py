@@ -23,6 +23,7 @@ from baton.common.errors import begin_work
 from baton.common.model import build_model
 from baton.common.tokenizer import Tokenizer, train_bpe, train_char
 from baton.train.backends import COMPUTE_DTYPES, Backend, StepResult, build_backend
+from baton.train.balancing import attach_balancing
 from baton.train.batches import GlobalBatches, micro_batches
 from baton.train.checkpointing import Checkpointer
 from baton.train.config import TrainConfig
@@ -30,6 +31,7 @@ from baton.train.distributed import Dist, init_distributed, read_launch
 from baton.train.export import handoff as export_handoff
 from baton.train.metrics import MetricsLogger, flops_per_token, peak_flops, plot_losses
 from baton.train.moe import router_metrics
+from baton.train.mtp import MTPLoss
 from baton.train.pretrained import PretrainedWeights, pretrained_model
 from baton.train.recompute import apply_recompute
 from baton.train.schedule import lr_at
@@ -155,6 +157,10 @@ class Trainer:
             model = build_model(model_cfg, seed=cfg.seed)
         attn = apply_recompute(model, cfg.recompute, cfg.attention)
         self.backend = build_backend(cfg, model, attn, dist, pretrained=weights)
+        module = self.backend.module
+        # DeepSeek-V3: the correction biases move after every step; its MTP modules train beside the model.
+        self.balancer = attach_balancing(module, cfg.moe.bias_update_rate, cfg.moe.seq_aux_loss_coef)
+        self.mtp = MTPLoss(module, cfg.mtp.weight, self.accum) if module.mtp is not None else None
         if dist.is_main:
             log.info(
                 "model %s, %.2fM parameters; %d train / %d val blocks of %d tokens; %s backend, %s precision "
@@ -230,7 +236,11 @@ class Trainer:
         parts = micro_batches(self.batches.next(), self.cfg.micro_batch_size, self.accum, self.dp_rank, self.dp)
         if (early_exit := getattr(self.backend, "early_exit", None)) is not None:
             early_exit.step = self.state.step  # LayerSkip's curriculum and dropout warm-up
+        if self.mtp is not None:
+            self.mtp.feed(parts)
         result = self.backend.train_step(parts, lr)
+        if self.balancer is not None:
+            self.balancer.step(result.applied)
         self.train_time, self.steps_timed = self.train_time + time.perf_counter() - t0, self.steps_timed + 1
         self.state.step += 1
         self.state.tokens_seen += self.tokens_per_step
@@ -301,6 +311,10 @@ class Trainer:
                 )
         if step % cfg.log_interval == 0 or "val_loss" in record or last or not result.applied:
             record.update(router_metrics(self.backend.module))  # MoE: router losses since the last record
+            if self.balancer is not None:  # DeepSeek-V3: expert load imbalance since the last record
+                record.update(self.balancer.metrics())
+            if self.mtp is not None:
+                record.update(self.mtp.metrics())
             if (early_exit := getattr(self.backend, "early_exit", None)) is not None:
                 record.update(early_exit.metrics())  # LayerSkip: each exit's loss
             self.metrics.log(record)

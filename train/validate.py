@@ -29,6 +29,7 @@ from baton.train.config import (
 from baton.train.deepspeed_config import check_ds_config, check_zero
 from baton.train.distributed import read_launch
 from baton.train.hybrid import check_recipe as check_hybrid
+from baton.train.moe import coefficient
 from baton.train.parallel.layout import ParallelConfig, check_layout
 
 
@@ -81,6 +82,7 @@ def validate(cfg: TrainConfig, data_parallel_size: int | None = None) -> None:
     _check_compute(cfg, need)
     _check_backend(cfg, need, data_parallel_size)
     _check_attention_features(cfg, need)
+    _check_mtp(cfg, need)  # (before the layout's arithmetic: its refusals say why MTP cannot be split)
     _check_parallel(cfg, need)
     _check_megatron(cfg, need)
     _check_moe(cfg, need)
@@ -241,20 +243,72 @@ def _check_backend(cfg: TrainConfig, need, dp: int | None) -> None:
 
 
 def _check_moe(cfg: TrainConfig, need) -> None:
+    """The moe section against the model's routing: Switch's loss and the z-loss are a softmax router's,
+    the correction bias and the sequence-wise loss DeepSeek-V3's (baton.train.moe, baton.train.balancing)."""
     m = cfg.moe
-    for name in ("aux_loss_coef", "z_loss_coef"):
-        v = getattr(m, name)
+    for f in dataclasses.fields(m):
+        v = getattr(m, f.name)
         need(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
-            f"moe.{name} must be a number >= 0, got {v!r}",
+            v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
+            f"moe.{f.name} must be a number >= 0 (or null: the model's default), got {v!r}",
         )
-    routed = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024)).num_local_experts > 0
+    mc = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024))
+    routed = mc.num_local_experts > 0
+    deepseek = routed and mc.model_type == "deepseek_v3"
+    for name, why in (
+        (
+            "aux_loss_coef",
+            "Switch's load-balancing loss takes the softmax of the router logits as routing probabilities",
+        ),
+        ("z_loss_coef", "the router z-loss bounds a softmax router's logsumexp"),
+    ):
+        need(
+            not (deepseek and getattr(m, name)),
+            f"moe.{name} {getattr(m, name)} with deepseek_v3: {why}, and DeepSeek-V3 routes by sigmoid affinities "
+            "with a bias-corrected choice; it balances with moe.bias_update_rate (auxiliary-loss-free) and "
+            "moe.seq_aux_loss_coef (its sequence-wise loss): leave moe.aux_loss_coef and moe.z_loss_coef unset or 0",
+        )
+    for name in ("bias_update_rate", "seq_aux_loss_coef"):
+        need(
+            deepseek or not getattr(m, name),
+            f"moe.{name} {getattr(m, name)}: DeepSeek-V3's balancing needs its routed experts and their score "
+            f"correction bias (model_type deepseek_v3 with experts), not model_type {mc.model_type!r}"
+            + ("" if routed else " without experts"),
+        )
+    losses = [coefficient(getattr(m, n), n, deepseek) for n in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef")]
     need(
-        not (cfg.precision == "fp16" and routed and (m.aux_loss_coef or m.z_loss_coef)),
+        not (cfg.precision == "fp16" and routed and any(losses)),
         "precision fp16 with MoE router losses: their gradient is injected beside the loss, where the "
         "dynamic loss scale is not applied; use precision bf16, or set moe.aux_loss_coef and "
-        "moe.z_loss_coef to 0",
+        "moe.z_loss_coef to 0" + (" (deepseek_v3: moe.seq_aux_loss_coef)" if deepseek else ""),
     )
+
+
+def _check_mtp(cfg: TrainConfig, need) -> None:
+    """DeepSeek-V3's MTP modules (baton.train.mtp) train where the whole model runs as one module
+    per rank, its final hidden states, head and sequences whole."""
+    mc = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024))
+    cfg.mtp.check(need, mc)
+    if mc.num_nextn_predict_layers == 0:
+        return
+    where = f"{mc.num_nextn_predict_layers} MTP module(s) (mtp.num_layers 0 trains none)"
+    need(
+        cfg.precision != "fp16",
+        f"precision fp16 with {where}: their loss's gradient is injected beside the main loss, where the dynamic "
+        "loss scale is not applied; use precision bf16",
+    )
+    need(
+        not cfg.early_exit.enabled,
+        f"early_exit with {where}: both train extra heads on the final hidden states; use one of them",
+    )
+    p = cfg.parallel
+    if cfg.backend == "torch3d":
+        for key, why in (
+            ("pp", "the modules follow the last layer but read the first stage's embedding"),
+            ("tp", "they need the whole hidden states and logits, which tensor parallelism shards"),
+            ("cp", "module k's targets lie k tokens on, across the context-parallel shards"),
+        ):
+            need(getattr(p, key) == 1, f"parallel.{key} {getattr(p, key)} with {where}: {why}; use parallel.{key} 1")
 
 
 def _check_early_exit(cfg: TrainConfig, need) -> None:
@@ -278,6 +332,21 @@ def _check_parallel(cfg: TrainConfig, need) -> None:
         return
     if cfg.backend != "torch3d":
         return
+    mc = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024))
+    if mc.is_mla:
+        p = cfg.parallel
+        need(
+            p.tp == 1,
+            f"parallel.tp {p.tp} with model_type {mc.model_type!r}: tensor parallelism's plans split q_proj/k_proj/"
+            "v_proj heads, and multi-head latent attention has a shared latent projection instead (its heads "
+            "split only after kv_b_proj); use dp, ep or pp",
+        )
+        need(
+            p.cp == 1,
+            f"parallel.cp {p.cp} with model_type {mc.model_type!r}: the ring attention passes keys and values as "
+            "one tensor of one width, and multi-head latent attention's values are narrower (v_head_dim); use dp, "
+            "ep or pp",
+        )
     world = read_launch().world_size
     accum = cfg.accum_steps(cfg.data_parallel_size(world))
     check_layout(
@@ -310,6 +379,13 @@ def _check_megatron(cfg: TrainConfig, need) -> None:
     if cfg.backend != "megatron":
         need(m == MegatronConfig(), "the megatron section needs backend: megatron")
         return
+    mc = cfg.model_config(vocab_size=cfg.model.get("vocab_size", 1024))
+    need(
+        mc.model_type != "deepseek_v3",
+        "model_type 'deepseek_v3' with backend megatron: Baton's megatron-core GPTModel has no multi-head latent "
+        "attention, DeepSeekMoE routing (sigmoid scores, correction bias, shared experts) or MTP modules; train it "
+        "with backend torch, deepspeed or torch3d (dp, ep, pp)",
+    )
     from baton.train.backends.megatron import check_recipe
 
     check_recipe(need, cfg)

@@ -51,6 +51,10 @@ class DDPBackend:
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         self.named = dict(model.named_parameters())
+        # Persistent buffers (DeepSeek-V3's score-correction biases, moved outside the gradient by
+        # baton.train.balancing) are training state too: saved and restored with the weights.
+        saved = model.state_dict().keys()
+        self.buffers = {n: b for n, b in model.named_buffers() if n in saved}
 
     def train_step(self, micro_batches: list[torch.Tensor], lr: float) -> StepResult:
         losses = [
@@ -108,7 +112,7 @@ class DDPBackend:
             for key in moments:
                 moments[key][names[p]] = st[key].cpu()
             step = int(st["step"])
-        weights = {n: p.detach().cpu() for n, p in self.named.items()}
+        weights = {n: p.detach().cpu() for n, p in (self.named | self.buffers).items()}
         return UniversalState(weights, moments["exp_avg"], moments["exp_avg_sq"], step)
 
     def save(self, directory: Path) -> None:
@@ -124,7 +128,7 @@ class DDPBackend:
             self.scaler.load_state_dict(json.loads((directory / SCALER_FILE).read_text()))
         state = read_any(directory, saved.backend)
         with torch.no_grad():
-            for n, p in self.named.items():
+            for n, p in (self.named | self.buffers).items():
                 p.copy_(state.weights[n])
         self.optimizer.state.clear()
         if state.step > 0:

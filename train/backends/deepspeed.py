@@ -152,6 +152,9 @@ def zero3_model(cfg: TrainConfig, model_cfg: ModelConfig, dist: Dist, weights: M
         with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
             if dist.is_main:
                 p.data.copy_(weights[name])
+    for name, b in model.named_buffers():  # (DeepSeek-V3's correction biases: not partitioned, whole everywhere)
+        if name in weights:
+            b.copy_(weights[name])
     return model
 
 
@@ -308,6 +311,9 @@ class DeepSpeedBackend:
             with ctx:
                 if self.stage < 3 or self.dist.is_main:
                     p.data.copy_(state.weights[name])  # rounded to the compute dtype, as DeepSpeed's own update does
+        for name, b in self.engine.module.named_buffers():  # (the persistent ones: training state, whole everywhere)
+            if name in state.weights:
+                b.copy_(state.weights[name])
         if self.stage == 0 and self.precision != "fp32":  # FP16_UnfusedOptimizer: a float32 copy per parameter
             masters = (m for g in self.engine.optimizer.fp32_groups for m in g)
             for name, master in zip(self._in_group_order(), masters):

@@ -16,6 +16,8 @@ On-disk layout (DeepSpeed 0.19, the pinned range), one file per rank:
 - stage 3: each parameter is split into world_size equal pieces (the last one padded); a rank's
   flat groups hold its piece of every parameter, back to back. Under NVMe offload the swapped
   groups are missing from DeepSpeed's files; Baton writes them per rank (NVME_STATE) instead.
+The model states file holds the module's persistent buffers whole (DeepSeek-V3's correction biases,
+named in its `buffer_names`): they join the weights.
 These files are DeepSpeed's pickles written by this training run: the only thing Baton unpickles.
 """
 
@@ -56,18 +58,23 @@ def read_zero_checkpoint(directory: Path, with_optimizer: bool = True) -> Univer
         shards = [_nvme_shard(tag / NVME_STATE.format(rank=r)) for r in range(len(shards))]
     if len(shards) != [_rank_of(f) for f in optim_files][-1] + 1:
         raise ValueError(f"{tag}: optimizer shards of some ranks are missing")
-    model_file = next(iter(sorted(tag.glob("*model_states.pt"))))
-    shapes: list[dict[str, torch.Size]] = _load(model_file)["param_shapes"]
+    model_states = _load(next(iter(sorted(tag.glob("*model_states.pt")))))
+    shapes: list[dict[str, torch.Size]] = model_states["param_shapes"]
     stage = int(shards[0]["zero_stage"])
     merge = _merge_stage3 if stage == 3 else _merge_stage12
     fp32_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     base_key = "optimizer_state_dict" if stage == 3 else "base_optimizer_state"
-    weights = merge(shards, shapes, lambda sh, g: sh[fp32_key][g])
+    weights = merge(shards, shapes, lambda sh, g: sh[fp32_key][g]) | _buffers(model_states)
     if not with_optimizer:
         return UniversalState(weights, {}, {}, 0)
     moments = {key: merge(shards, shapes, lambda sh, g, key=key: sh[base_key]["state"][g][key]) for key in MOMENTS}
     step = int(shards[0][base_key]["state"][0]["step"])
     return UniversalState(weights, moments["exp_avg"], moments["exp_avg_sq"], step)
+
+
+def _buffers(model_states: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers, whole, from a model states file."""
+    return {n: model_states["module"][n].clone() for n in model_states.get("buffer_names", [])}
 
 
 def _nvme_shard(path: Path) -> dict[str, Any]:
@@ -94,6 +101,7 @@ def _read_stage0(tag: Path, group_names: list[list[str]], with_optimizer: bool) 
         opt = opt["optimizer_state_dict"]
     else:
         weights = {n: sd["module"][n].float().clone() for n in names}
+    weights |= _buffers(sd)
     if not with_optimizer:
         return UniversalState(weights, {}, {}, 0)
     index = [i for g in opt["param_groups"] for i in g["params"]]  # state keys, in group order

@@ -38,7 +38,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-# In the name of every expert parameter: Mixtral's block_sparse_moe.experts.<e>., Qwen3-MoE's mlp.experts.<e>.
+# In the name of every expert parameter: Mixtral's block_sparse_moe.experts.<e>., Qwen3-MoE's and
+# DeepSeek-V3's mlp.experts.<e>. (not DeepSeek's mlp.shared_experts: dense, data-parallel like an MLP).
 EXPERT_KEY = re.compile(r"\.(block_sparse_moe|mlp)\.experts\.\d+\.")
 
 
@@ -104,6 +105,19 @@ class ExpertParallelMoE(MoE):
         return out
 
 
+_EP_CLASSES: dict[type, type] = {MoE: ExpertParallelMoE}
+
+
+def expert_parallel_class(cls: type) -> type:
+    """ExpertParallelMoE's dispatch over `cls`'s routing: DeepSeekMoE keeps its sigmoid, group-limited
+    routing, its shared experts and its balancing statistics (only `combine` and `held_experts` change)."""
+    if issubclass(cls, ExpertParallelMoE):
+        return cls
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls), {})
+    return _EP_CLASSES[cls]
+
+
 def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
@@ -116,7 +130,7 @@ def apply_ep(module: nn.Module, ep_mesh: DeviceMesh) -> None:
         if not isinstance(moe.experts, nn.ModuleList):  # (check_layout refuses it first)
             raise ValueError(f"expert parallelism deals out expert modules; {type(moe.experts).__name__} stacks them")
         per = len(moe.experts) // ep
-        moe.__class__ = ExpertParallelMoE
+        moe.__class__ = expert_parallel_class(type(moe))
         moe.ep_group, moe.ep_size = ep_mesh.get_group(), ep
         moe.local_experts = range(rank * per, (rank + 1) * per)
         for e in range(len(moe.experts)):

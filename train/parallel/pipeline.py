@@ -22,8 +22,9 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 
 class ModelChunk(nn.Module):
-    """Embedding (first chunk), decoder layers `layers`, final norm + LM head (last chunk): the
-    model's own modules, run as its forward runs them (common.model.run_layers).
+    """Embedding (first chunk), decoder layers `layers`, final norm + LM head (last chunk, with the
+    MTP modules where the model has them): the model's own modules, run as its forward runs them
+    (common.model.run_layers).
 
     forward: token ids (first) or hidden states -> hidden states, or logits (last). RoPE positions
     are set from outside (`positions`, [S_local]) since later stages cannot see the tokens and
@@ -42,6 +43,8 @@ class ModelChunk(nn.Module):
         if last:
             setattr(self.model, self.norm_name, model.model.final_norm)
             self.lm_head = model.lm_head
+            if model.mtp is not None:  # DeepSeek-V3's MTP modules (trained by baton.train.mtp's hook on the norm)
+                self.mtp = model.mtp
         self.has_embedding, self.has_head = first, last
         self.tied = model.config.tie_word_embeddings
         # A float32 attribute as in DecoderModel (not a buffer: .to() leaves it), so placed here on the rank's device.

@@ -33,21 +33,28 @@ if (_spec := _shadowed()) is not None:
     _sys.modules["kernels"] = _module = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_module)
 else:
+    from .activation import swiglu
     from .flash_attention import flash_attn_varlen, flash_attn_with_paged_prefix
+    from .gated_delta import decode_step as gated_delta_decode_step
+    from .gated_delta import gated_delta_rule
     from .kv_cache import reshape_and_cache
+    from .mla_decode import mla_cache_write, paged_mla_decode
     from .paged_attention import paged_attention_decode
     from .quant import quantize_fp8_per_channel, quantize_int4_groupwise, quantize_int8_per_channel, smoothquant_scales
     from .quant_matmul import fp8_weight_matmul, int4_weight_matmul, int8_weight_matmul
     from .rmsnorm import rms_norm
     from .rotary import apply_rotary
-    from .activation import swiglu
     from .w8a8 import quantize_per_token, w8a8_matmul
 
     __all__ = [
         "flash_attn_varlen",
         "flash_attn_with_paged_prefix",
         "paged_attention_decode",
+        "paged_mla_decode",
+        "gated_delta_rule",
+        "gated_delta_decode_step",
         "reshape_and_cache",
+        "mla_cache_write",
         "rms_norm",
         "apply_rotary",
         "swiglu",

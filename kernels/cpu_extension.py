@@ -37,6 +37,7 @@ SOURCES = [
     for f in (
         "bindings.cpp",
         "paged_decode_cpu.cpp",
+        "mla_decode_cpu.cpp",
         "elementwise_cpu.cpp",
         "argmax_cpu.cpp",
         "decoder_cpu.cpp",

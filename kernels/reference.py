@@ -158,6 +158,31 @@ def reshape_and_cache_ref(k, v, k_cache, v_cache, slot_mapping) -> None:
             v_cache[slot // block_size, slot % block_size] = v[t]
 
 
+def paged_mla_decode_ref(
+    q, cache, block_tables, context_lens, softmax_scale, kv_lora_rank, *, num_splits=None, max_context_len=None
+):
+    """Absorbed MLA decode over the latent pool [blocks, block_size, L + R]: every head of a row
+    attends to the same cached rows, out[t, h] = softmax_s(scale * q[t, h] . c_s) @ c_s[:L] over the
+    row's first context_lens[t] tokens (none: zeros). [T, H, L + R] -> [T, H, L]; splits change nothing."""
+    acc = _acc(q.dtype)
+    out = torch.zeros(*q.shape[:2], kv_lora_rank, dtype=q.dtype, device=q.device)
+    for t, n in enumerate(context_lens.tolist()):
+        if n:
+            rows = gather_paged(cache, block_tables[t], n).to(acc)  # [n, L + R]
+            p = torch.softmax(q[t].to(acc) @ rows.T * softmax_scale, dim=-1)
+            out[t] = (p @ rows[:, :kv_lora_rank]).to(q.dtype)
+    return out
+
+
+def mla_cache_write_ref(latent, k_pe, cache, slot_mapping) -> None:
+    """In place: token t's latent [L] then k_pe [R] into slot slot_mapping[t] of the latent pool; -1 skips."""
+    block_size, lora = cache.shape[1], latent.shape[-1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            cache[slot // block_size, slot % block_size, :lora] = latent[t]
+            cache[slot // block_size, slot % block_size, lora:] = k_pe[t]
+
+
 # ------------------------------------------------------------------------------------ elementwise
 def rms_norm_ref(x, weight, eps=1e-6, residual=None):
     """HF LlamaRMSNorm, optionally after `x + residual` (then returns (out, x + residual))."""

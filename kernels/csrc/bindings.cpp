@@ -10,6 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the vector path paged_decode compiled for head_dim 32/64/128: avx512, avx2 or portable");
   m.def("cache_write", &cache_write, "new K/V rows into the paged pools at slot_mapping (-1 skips)", py::arg("k"),
         py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"));
+  m.def("mla_decode", &mla_decode, "paged MLA decode over a float32 or bfloat16 latent pool [blocks, block_size, L + R]",
+        py::arg("q"), py::arg("cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("kv_lora_rank"));
+  m.def("mla_decode_path", &mla_decode_path, "the path mla_decode takes for a dtype: avx512_bf16, avx512, avx2 or portable",
+        py::arg("dtype"));
+  m.def("mla_cache_write", &mla_cache_write, "latents [T, L] and rope keys [T, R] into the latent pool at slot_mapping",
+        py::arg("latent"), py::arg("k_pe"), py::arg("cache"), py::arg("slot_mapping"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally of x + residual: (out, x + residual or an undefined tensor)",
         py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("residual") = py::none());
   m.def("rotary", &rotary, "rotate_half rotary embedding of q and k [tokens, heads, head_dim]", py::arg("q"),

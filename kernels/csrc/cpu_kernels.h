@@ -15,6 +15,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 std::string paged_decode_simd();
 void cache_write(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
                  torch::Tensor slot_mapping);
+torch::Tensor mla_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor block_tables, torch::Tensor context_lens,
+                         double scale, int64_t kv_lora_rank);
+std::string mla_decode_path(c10::ScalarType dtype);
+void mla_cache_write(torch::Tensor latent, torch::Tensor k_pe, torch::Tensor cache, torch::Tensor slot_mapping);
 std::tuple<torch::Tensor, torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                                                   std::optional<torch::Tensor> residual);
 std::tuple<torch::Tensor, torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos,

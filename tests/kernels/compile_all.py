@@ -82,6 +82,19 @@ def _decode(dtype, head_dim, group, num_splits, window=None, estimate=None, sink
     return run
 
 
+def _mla(dtype, heads, lora, rope, num_splits):
+    def run():
+        from baton.kernels.mla_decode import paged_mla_decode_triton
+
+        cache = torch.zeros(8, 16, lora + rope, dtype=dtype)
+        tables = torch.zeros(3, 8, dtype=torch.int32)
+        lens = torch.tensor([1, 60, 128], dtype=torch.int32)
+        q = torch.zeros(3, heads, lora + rope, dtype=dtype)
+        paged_mla_decode_triton(q, cache, tables, lens, 0.1, lora, num_splits=num_splits)
+
+    return run
+
+
 def _elementwise(name, dtype):
     def run():
         from baton.kernels import activation, kv_cache, rmsnorm, rotary
@@ -104,6 +117,12 @@ def _elementwise(name, dtype):
             k = torch.zeros(4, 8, 128, dtype=dtype)
             cache = torch.zeros(2, 16, 8, 128, dtype=dtype)
             kv_cache.reshape_and_cache_triton(k, k, cache, cache, torch.zeros(4, dtype=torch.int64))
+        elif name == "mla_cache_write":
+            from baton.kernels.mla_decode import mla_cache_write_triton
+
+            latent, k_pe = torch.zeros(4, 512, dtype=dtype), torch.zeros(4, 64, dtype=dtype)
+            cache = torch.zeros(2, 16, 576, dtype=dtype)
+            mla_cache_write_triton(latent, k_pe, cache, torch.zeros(4, dtype=torch.int64))
 
     return run
 
@@ -121,9 +140,27 @@ def _ssd_scan(dtype, d_state, head_dim, with_state):
     return run
 
 
+def _gated_delta(dtype, dk, dv, rep, with_state):
+    def run():
+        from baton.kernels.gated_delta import gated_delta_decode_triton, gated_delta_rule_triton
+
+        b, length, hk = 2, 100, 2
+        qk = torch.zeros(b, length, hk, dk, dtype=dtype)
+        v = torch.zeros(b, length, hk * rep, dv, dtype=dtype)
+        gb = torch.zeros(b, length, hk * rep)
+        init = torch.zeros(b, hk * rep, dk, dv) if with_state else None
+        gated_delta_rule_triton(qk, qk, v, gb, gb, init, use_qk_l2norm_in_kernel=True)
+        pool, slots = torch.zeros(4, hk * rep, dk, dv), torch.tensor([3, 1])
+        step = (qk[:, 0], qk[:, 0], v[:, 0], gb[:, 0], gb[:, 0])
+        gated_delta_decode_triton(*step, pool, slots, use_qk_l2norm_in_kernel=True)
+
+    return run
+
+
 def _quant(fmt, dtype, m):
     def run():
-        from baton.kernels import quant_matmul as qm, w8a8
+        from baton.kernels import quant_matmul as qm
+        from baton.kernels import w8a8
 
         x = torch.zeros(m, 256, dtype=dtype)
         w8 = torch.zeros(128, 256, dtype=torch.int8)
@@ -167,9 +204,15 @@ CASES = {
     "decode_unified_max_bf16_d128_sinks_softcap_split": _decode(
         bf16, 128, 4, 4, estimate=5.0, sinks=True, softcap=30.0
     ),
+    # MLA decode over the latent cache: DeepSeek-V3's L 512 + R 64 (all 128 heads, and 16 of a TP rank),
+    # and odd small dims in float32 (the interpreter tests' shapes)
+    "mla_decode_bf16_l512_r64_h128_split": _mla(bf16, 128, 512, 64, 4),
+    "mla_decode_f16_l512_r64_h16_direct": _mla(f16, 16, 512, 64, 1),
+    "mla_decode_f32_l512_r64_h16_split": _mla(f32, 16, 512, 64, 3),
+    "mla_decode_f32_l36_r8_h20_direct": _mla(f32, 20, 36, 8, 1),
     **{
         f"{name}_{tag}": _elementwise(name, dt)
-        for name in ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache")
+        for name in ("rms_norm", "rms_norm_residual", "rotary", "swiglu", "reshape_and_cache", "mla_cache_write")
         for tag, dt in (("bf16", bf16), ("f32", f32))
     },
     **{
@@ -182,6 +225,10 @@ CASES = {
     "ssd_scan_bf16_n128_p64": _ssd_scan(bf16, 128, 64, with_state=False),
     "ssd_scan_bf16_n256_p64_state": _ssd_scan(bf16, 256, 64, with_state=True),
     "ssd_scan_f32_n16_p8_state": _ssd_scan(f32, 16, 8, with_state=True),
+    # Qwen3.5 / Qwen3-Next (Dk = Dv = 128, 2 value heads per key head), the largest tiles (256), odd small dims
+    "gated_delta_bf16_k128_v128_gqa2_state": _gated_delta(bf16, 128, 128, 2, with_state=True),
+    "gated_delta_f16_k256_v256": _gated_delta(f16, 256, 256, 1, with_state=False),
+    "gated_delta_f32_k24_v40_gqa2_state": _gated_delta(f32, 24, 40, 2, with_state=True),
 }
 
 

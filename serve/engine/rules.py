@@ -29,7 +29,7 @@ class Setting:
 class Rule:
     applies: Callable[[Setting], bool]  # the refused combination is present
     why: str | Callable[[Setting], str]
-    kind: str = "plain"  # "hybrid" / "early_exit": the message says which feature refuses
+    kind: str = "plain"  # "hybrid" / "mla" / "early_exit": the message says which feature refuses
 
 
 def _spec_tree(s: Setting) -> bool:
@@ -47,6 +47,11 @@ def _early_exit(s: Setting) -> bool:
     return s.config.early_exit_threshold is not None
 
 
+def _mla(s: Setting) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds one latent row a token a layer."""
+    return s.model is not None and s.model.is_mla
+
+
 RULES: list[Rule] = [
     Rule(
         lambda s: s.config.speculative is not None and s.config.streaming,
@@ -55,6 +60,24 @@ RULES: list[Rule] = [
     Rule(
         lambda s: s.config.streaming and s.config.kv_cache_dtype != "auto",
         "StreamingLLM re-rotates cached keys in place: use kv_cache_dtype='auto' with it",
+    ),
+    # MLA's latent cache (serve/runner/mla_attention.py): what it cannot do yet.
+    Rule(
+        lambda s: _mla(s) and s.config.streaming,
+        "StreamingLLM re-rotates cached per-head keys; the latent cache keeps each token's rope key inside "
+        "its latent row, which re-rotation does not handle",
+        "mla",
+    ),
+    Rule(
+        lambda s: _mla(s) and s.config.kv_cache_dtype != "auto",
+        "a quantized KV cache packs per-head K/V rows with a scale; the latent cache is kept in the model's "
+        "dtype: use kv_cache_dtype='auto'",
+        "mla",
+    ),
+    Rule(
+        lambda s: _mla(s) and _early_exit(s),
+        "CALM early exit fills the skipped layers' per-head K/V, not the latent cache",
+        "mla",
     ),
     # Hybrids (Mamba2 + attention): what the recurrent-state slots cannot do yet.
     Rule(
@@ -117,7 +140,7 @@ RULES: list[Rule] = [
 
 
 def check(config: EngineConfig, model: ModelConfig | None, sharded: bool | None = None) -> None:
-    """Raise for the first rule that applies (ConfigError for a hybrid's, else ValueError); `sharded`
+    """Raise for the first rule that applies (ConfigError for a hybrid's or MLA's, else ValueError); `sharded`
     defaults to the config's parallel layout."""
     s = Setting(config, model, config.parallel.world_size > 1 if sharded is None else sharded)
     for rule in RULES:
@@ -126,6 +149,8 @@ def check(config: EngineConfig, model: ModelConfig | None, sharded: bool | None 
         why = rule.why(s) if callable(rule.why) else rule.why
         if rule.kind == "hybrid":
             raise ConfigError(f"model_type {s.model.model_type!r} (Mamba2 + attention hybrid): {why}")
+        if rule.kind == "mla":
+            raise ConfigError(f"model_type {s.model.model_type!r} (multi-head latent attention): {why}")
         if rule.kind == "early_exit":
             raise ValueError(f"early_exit_threshold cannot be combined with {why}")
         raise ValueError(why)

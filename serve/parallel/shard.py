@@ -16,6 +16,11 @@ Routed experts (Mixtral's, Qwen3-MoE's, gpt-oss's stacked ones) are either each 
 on rank 0 only) or dealt out whole ("expert"); either way the router is replicated (every rank
 routes alike) and the MoE block ends in one all-reduce.
 
+Multi-head latent attention (DeepSeek-V2/V3) splits its heads the same way - the query's and
+kv_b_proj's up-projections by head, o_proj by rows - and replicates the compression, so every rank
+caches the whole latent (`_shard_mla`). DeepSeekMoE's shared experts are cut like a dense MLP inside
+the MoE block's one all-reduce.
+
 The newer families' attention: q/k norms per head (Qwen3, Gemma 3) are replicated, a rank applying
 them to its own heads; OLMo 2's norm over the whole q/k projection holds this rank's slice of its
 weight and takes the mean of squares over the full width (one all-reduce of the per-row sums: a
@@ -33,11 +38,13 @@ names and layer indices stay global), the embedding on the first stage, norm and
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from baton.common.mla import MLAttention
 from baton.common.model import MLP, CausalLM, RMSNorm
 from baton.common.moe import GptOssExperts, GptOssMoE, MoE
 from baton.serve.parallel.comm import all_gather, all_reduce
@@ -234,6 +241,7 @@ def shard_model(model: CausalLM, shard: Shard, group=None) -> dict[str, Slice]:
     for i in range(cfg.num_hidden_layers):
         if i not in mine:
             inner.layers[i] = Placeholder()
+    model.mtp = None  # DeepSeek-V3's MTP modules draft in a single process only (--speculative mtp): not read
     vp = -(-cfg.vocab_size // tp)  # per-rank vocabulary rows, padded so that tp divides
     vocab = Slice(0, r * vp, min((r + 1) * vp, cfg.vocab_size), vp)
     if shard.first_stage:
@@ -255,7 +263,8 @@ def shard_model(model: CausalLM, shard: Shard, group=None) -> dict[str, Slice]:
     if tp == 1:
         return cut.specs
     for i in mine:
-        _shard_attention(cut, f"model.layers.{i}.self_attn", inner.layers[i].self_attn)
+        attn = inner.layers[i].self_attn
+        (_shard_mla if isinstance(attn, MLAttention) else _shard_attention)(cut, f"model.layers.{i}.self_attn", attn)
         layer, p = inner.layers[i], f"model.layers.{i}.{inner.layers[i].ffn_name}"
         if isinstance(layer.ffn, MoE):
             _shard_moe(cut, p, layer.ffn, shard)
@@ -290,14 +299,53 @@ def _shard_attention(cut: _Cutter, p: str, attn: nn.Module) -> None:
     attn.num_heads, attn.num_kv_heads = q_heads, kv_local
 
 
+def _shard_mla(cut: _Cutter, p: str, attn: MLAttention) -> None:
+    """Multi-head latent attention: whole heads per rank - the query's up-projection (q_proj, or
+    q_b_proj after the q LoRA) and kv_b_proj column-parallel by head, o_proj row-parallel - while the
+    compression (q_a_proj, kv_a_proj_with_mqa, their norms) is replicated: every rank computes the
+    same latent and keeps the whole latent cache (vLLM's layout; its bytes do not shrink with T)."""
+    tp, r = cut.shard.tp_size, cut.shard.tp_rank
+    heads = attn.num_heads // tp
+    q_width = attn.qk_nope_head_dim + attn.qk_rope_head_dim
+    kv_width = attn.qk_nope_head_dim + attn.v_head_dim
+    q = "q_proj" if attn.q_lora_rank is None else "q_b_proj"
+    cut.column(f"{p}.{q}", r * heads * q_width, (r + 1) * heads * q_width)
+    cut.column(f"{p}.kv_b_proj", r * heads * kv_width, (r + 1) * heads * kv_width)
+    cut.row(f"{p}.o_proj")
+    attn.num_heads = attn.num_kv_heads = heads
+
+
+@functools.cache
+def _expert_parallel(cls: type) -> type:
+    """ExpertParallelMoE over a MoE class's own routing and forward (DeepSeekMoE's shared experts)."""
+    if cls is MoE:
+        return ExpertParallelMoE
+    return type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls), {})
+
+
+def _shard_shared_experts(cut: _Cutter, name: str, mlp: nn.Module) -> None:
+    """DeepSeekMoE's shared experts: one gated MLP that every token runs, split like a dense MLP
+    (its down projection unreduced: the MoE block's one all-reduce sums it with the routed experts)."""
+    tp, r = cut.shard.tp_size, cut.shard.tp_rank
+    width = mlp.gate_proj.out_features
+    if width % tp:
+        raise ValueError(f"{name}: tensor_parallel_size {tp} does not divide the shared experts' width {width}")
+    cols = width // tp
+    for proj in ("gate_proj", "up_proj"):
+        cut.column(f"{name}.{proj}", r * cols, (r + 1) * cols)
+    cut.row(f"{name}.down_proj", reduce=False)
+
+
 def _shard_moe(cut: _Cutter, name: str, moe: MoE, shard: Shard) -> None:
     tp, r = shard.tp_size, shard.tp_rank
     experts = moe.num_experts
+    if getattr(moe, "shared_experts", None) is not None:
+        _shard_shared_experts(cut, f"{name}.shared_experts", moe.shared_experts)
     if isinstance(moe.experts, GptOssExperts):
         _shard_stacked_experts(cut, f"{name}.experts", moe, shard)
     elif shard.moe_parallel == "expert":
         per = experts // tp
-        moe.__class__ = ExpertParallelMoE
+        moe.__class__ = _expert_parallel(type(moe))
         moe.local_experts = range(r * per, (r + 1) * per)
         for e in range(experts):
             if e not in moe.local_experts:

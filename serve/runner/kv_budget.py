@@ -15,12 +15,16 @@ from baton.common.config import ModelConfig
 
 
 def activation_reserve(cfg: ModelConfig, max_tokens: int, max_seqs: int, elem: int, tp: int = 1) -> int:
-    """A step's activation peak, estimated: the residual stream, q/k/v and the MLP's two halves per
-    token (one layer is live at a time), attention outputs, and fp32 logits of the sampled rows;
-    doubled for the allocator's slack."""
-    per_token = (
-        4 * cfg.hidden_size + 2 * (cfg.intermediate_size // tp) + 3 * cfg.num_attention_heads * cfg.head_dim // tp
-    )
+    """A step's activation peak, estimated: the residual stream, q/k/v (MLA: q, the latent and the
+    absorbed query and output) and the MLP's two halves per token (one layer is live at a time),
+    attention outputs, and fp32 logits of the sampled rows; doubled for the allocator's slack."""
+    if cfg.is_mla:  # q and the attention output per head, and the absorbed q_lat / o_lat (kv_lora_rank each)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        per_head = qk + cfg.v_head_dim + 2 * cfg.kv_lora_rank
+        attention = cfg.num_attention_heads * per_head // tp + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    else:
+        attention = 3 * cfg.num_attention_heads * cfg.head_dim // tp
+    per_token = 4 * cfg.hidden_size + 2 * (cfg.intermediate_size // tp) + attention
     return 2 * (max_tokens * per_token * elem + max_seqs * cfg.vocab_size * 4)
 
 

@@ -7,6 +7,10 @@ A model that mixes sliding-window and full layers may keep two KV groups (serve/
 given `window_blocks`, its sliding layers' pools have that many blocks of their own, addressed by
 the chunks' window tables (the plan's WindowPlan), and every block op says which group it is for.
 
+A model of multi-head latent attention (DeepSeek-V3) keeps one pool per layer of latent rows
+(kv_lora_rank + qk_rope_head_dim values a token: `cache_layout`), attended by LatentPagedAttention
+(serve/runner/mla_attention.py); its block ops move that one tensor where others move K and V.
+
 A hybrid model (Bamba) has KV pools for its attention layers only, and a StatePool
 (serve/runner/state_pool.py) of recurrent-state slots for its Mamba2 mixers; the engine binds the
 BlockManager's StateSlots, which say each scheduled sequence's slot.
@@ -27,10 +31,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from baton.common.mla import MLAttention
 from baton.common.model import CausalLM, fuse_residual_norms, run_layers
 from baton.kernels.cpu_extension import cpu_kernels
 from baton.kernels.linear_cpu import pack_linears
@@ -42,6 +48,7 @@ from baton.serve.runner.cpu_layers import bind as bind_cpu_layers
 from baton.serve.runner.cpu_layers import bind_head as bind_cpu_head
 from baton.serve.runner.fusion import fuse_projections
 from baton.serve.runner.input_batch import InputBatch
+from baton.serve.runner.mla_attention import LatentPagedAttention, absorbed_weights, latent_width
 from baton.serve.runner.state_pool import PagedHybridAttention, Segment, StatePool
 from baton.serve.runner.step_plan import DECODE_ROWS, StepPlan
 from baton.serve.scheduling.block_manager import BlockOps
@@ -49,7 +56,7 @@ from baton.serve.scheduling.state_slots import StateSlots
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE_ROWS", "ExecuteResult", "ModelRunner", "StepPass", "kv_block_bytes"]
+__all__ = ["DECODE_ROWS", "ExecuteResult", "ModelRunner", "StepPass", "cache_layout", "kv_block_bytes"]
 
 
 @functools.cache
@@ -73,6 +80,19 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def cache_layout(
+    cfg, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None
+) -> tuple[torch.dtype, list[tuple[int, ...]]]:
+    """(element dtype, the per-token shape of each pool tensor) of one attention layer's cache: a K and
+    a V pool of [kv heads, head_dim] rows, or for MLA one pool of latent rows [kv_lora_rank +
+    qk_rope_head_dim] (mla_attention.py; the same on every tensor rank: the latent is not split)."""
+    if cfg.is_mla:
+        return dtype, [(latent_width(cfg),)]
+    pool_dtype, width = pool_layout(kv_cache_dtype, dtype, cfg.head_dim)
+    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return pool_dtype, [(heads, width)] * 2
+
+
 def kv_block_bytes(
     model: CausalLM,
     block_size: int,
@@ -82,14 +102,13 @@ def kv_block_bytes(
     num_kv_heads: int | None = None,
 ) -> int:
     """Bytes of one KV block over `num_layers` layers of `num_kv_heads` heads (default: the whole
-    model's attention layers)."""
+    model's attention layers), from the layers' cache layout."""
     cfg = model.config
-    pool_dtype, width = pool_layout(kv_cache_dtype, dtype, cfg.head_dim)
+    pool_dtype, shapes = cache_layout(cfg, dtype, kv_cache_dtype, num_kv_heads)
     elem = torch.tensor([], dtype=pool_dtype).element_size()
     attn_layers = sum(cfg.is_attention_layer(i) for i in range(cfg.num_hidden_layers))
     layers = attn_layers if num_layers is None else num_layers
-    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
-    return 2 * layers * block_size * heads * width * elem
+    return layers * block_size * sum(math.prod(s) for s in shapes) * elem
 
 
 @dataclass
@@ -131,16 +150,20 @@ class ModelRunner:
         cfg = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
+        self.layers = [self.model.model.layers[i] for i in self.layer_ids]
+        # MLA: kv_b_proj's per-head halves for weight absorption, taken while its weight is plain
+        # (every MLA module's: the MTP blocks' are the MTP proposer's)
+        for a in (m for m in self.model.modules() if isinstance(m, MLAttention)):
+            absorbed_weights(a)
         if self.device.type == "cpu":
             keep_freed_memory()
             if self.dtype in (torch.float32, torch.bfloat16):  # the C++ decode kernel's dtypes: build/load it now
                 cpu_kernels()
             pack_linears(self.model)  # oneDNN (bf16) / MKL (fp32) pack a plain weight on every call: once, here
         self.block_size, self.num_blocks, self.num_host_blocks = block_size, num_blocks, num_host_blocks
-        self.layer_ids = range(cfg.num_hidden_layers) if layers is None else layers
-        self.layers = [self.model.model.layers[i] for i in self.layer_ids]
-        pool_dtype, width = pool_layout(kv_cache_dtype, self.dtype, cfg.head_dim)
-        shape = (next(x.self_attn for x in self.layers if hasattr(x, "self_attn")).num_kv_heads, width)
+        kv_heads = next(x.self_attn for x in self.layers if hasattr(x, "self_attn")).num_kv_heads
+        pool_dtype, shapes = cache_layout(cfg, self.dtype, kv_cache_dtype, kv_heads)
         pin = self.device.type == "cuda"
 
         mine = [i for i in self.layer_ids if cfg.is_attention_layer(i)]
@@ -152,11 +175,11 @@ class ModelRunner:
         def pools(n: int, n_window: int, device, pin_memory: bool = False) -> list[tuple[torch.Tensor, ...] | None]:
             # Zero-filled: padded block-table entries may be read (and masked), never as NaN. Indexed
             # by global layer; None for the layers other pipeline stages hold and for mixer layers.
-            def pool(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            def pool(i: int) -> tuple[torch.Tensor, ...]:
                 size = n_window if i in self.window_layers else n
                 return tuple(
                     torch.zeros(size, block_size, *shape, dtype=pool_dtype, device=device, pin_memory=pin_memory)
-                    for _ in range(2)
+                    for shape in shapes
                 )
 
             return [pool(i) if i in mine else None for i in range(cfg.num_hidden_layers)]
@@ -173,6 +196,8 @@ class ModelRunner:
             num = states.num_slots + states.num_snapshots
             self.state_pool = StatePool(mixers, num, states.num_host, self.device, self.dtype, pin)
             self.attn = PagedHybridAttention(self.kv_caches, kv_cache_dtype, self.state_pool)
+        elif cfg.is_mla:  # one latent pool per layer (mla_attention.py)
+            self.attn = LatentPagedAttention(self.kv_caches)
         else:
             self.attn = PagedAttention(self.kv_caches, kv_cache_dtype)
         # On CPU a step's layers run without the modules' Python between kernels where they can (cpu_layers.py).
@@ -195,7 +220,7 @@ class ModelRunner:
         last = cfg.num_hidden_layers - 1
         self.answer_sampled_rows = (
             self.layer_ids.stop == cfg.num_hidden_layers
-            and type(self.attn) is PagedAttention
+            and type(self.attn) in (PagedAttention, LatentPagedAttention)
             and kv_cache_dtype == "auto"
             and hasattr(self.model.model.layers[last], "self_attn")
         )
@@ -222,10 +247,9 @@ class ModelRunner:
                 continue
             src = torch.tensor([a for a, _ in pairs])
             dst = torch.tensor([b for _, b in pairs])
-            for i in layers:
-                (sk, sv), (dk, dv) = src_pools[i], dst_pools[i]
-                dk[dst.to(dk.device)] = sk[src.to(sk.device)].to(dk.device)
-                dv[dst.to(dv.device)] = sv[src.to(sv.device)].to(dv.device)
+            for i in layers:  # K and V pools, or an MLA layer's one latent pool
+                for s, d in zip(src_pools[i], dst_pools[i]):
+                    d[dst.to(d.device)] = s[src.to(s.device)].to(d.device)
 
     def _rerotate(self, blocks: list[int], shift: int) -> None:
         """Move cached keys `shift` positions left: RoPE(p - s) = RoPE(-s) . RoPE(p)."""

@@ -13,6 +13,8 @@
                    draft, the full model verifies (LayerSkip self-speculation)
   * eagle.py     - EagleProposer: a trained one-layer EAGLE head drafts from the target's own last
                    hidden states, a chain or EAGLE-2's dynamic tree (the head: common/eagle.py)
+  * mtp.py       - MTPProposer: the model's own MTP modules (DeepSeek-V3, baton.common.mtp) draft
+                   from its last hidden states, a chain, each module with its own cache
   * lookahead.py - LookaheadProposer: Jacobi iteration trajectories in the verification pass feed
                    an n-gram pool whose guesses are verified (lookahead decoding)
   * decoder.py   - SpeculativeDecoder, what the engine calls: proposals before the schedule,
@@ -39,6 +41,7 @@ METHOD_HELP = {
     "lookahead": "Jacobi iteration feeds an n-gram pool (--speculative-lookahead-window, -ngram, -guesses)",
     "layerskip": "the model's own first E layers draft (--exit-layer; a checkpoint with early exits)",
     "eagle": "an EAGLE head in the checkpoint drafts from the target's hidden states; chain or tree",
+    "mtp": "the checkpoint's own multi-token-prediction modules (DeepSeek-V3) draft from its hidden states; a chain",
 }
 METHODS = tuple(METHOD_HELP)
 _LAZY = {"SpecStats": "baton.serve.speculative.config", "SpeculativeConfig": "baton.serve.speculative.config"}

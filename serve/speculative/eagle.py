@@ -246,7 +246,8 @@ class EagleProposer(Proposer):
             toks = torch.stack(drafted, 1).tolist()  # [B, depth]: the one host conversion
         for b, (s, _, _) in enumerate(live):
             s.spec_token_ids = toks[b][: ks[s.seq_id]]
-            s.spec_draft_probs = None if greedy else torch.stack(probs[b][: ks[s.seq_id]])
+            # (a greedy request in a mixed batch drafts by argmax: no draft probabilities to stack)
+            s.spec_draft_probs = None if greedy or s.params.greedy else torch.stack(probs[b][: ks[s.seq_id]])
 
     def _trees(self, live, roots: list[torch.Tensor], ks: dict[int, int]) -> None:
         """EAGLE-2: expand the `tree_width` best nodes of each depth by cumulative draft probability."""

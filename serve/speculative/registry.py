@@ -19,6 +19,7 @@ from baton.serve.speculative.layerskip import LayerSkipProposer
 from baton.serve.speculative.layerskip import check_checkpoint as check_layerskip
 from baton.serve.speculative.lookahead import LookaheadProposer
 from baton.serve.speculative.medusa import MedusaProposer
+from baton.serve.speculative.mtp import MTPProposer, check_mtp
 from baton.serve.speculative.ngram import NgramProposer
 from baton.serve.speculative.tree import parse_choices
 
@@ -31,7 +32,7 @@ def make_proposer(
     dtype: torch.dtype,
     model: torch.nn.Module | None = None,
 ) -> Proposer:
-    """`model`: the engine's own model, when this process holds it (layerskip drafts with it)."""
+    """`model`: the engine's own model, when this process holds it (layerskip and mtp draft with it)."""
     cfg.validate()
     if cfg.method == "ngram":
         return NgramProposer(cfg)
@@ -41,6 +42,8 @@ def make_proposer(
         return LookaheadProposer(cfg)
     if cfg.method == "layerskip":
         return LayerSkipProposer(cfg, model, model_dir, device, dtype)
+    if cfg.method == "mtp":
+        return MTPProposer(cfg, model)
     if cfg.method == "eagle":
         if model_dir is None:
             raise ValueError("EAGLE needs the checkpoint directory holding eagle.safetensors")
@@ -53,7 +56,7 @@ def make_proposer(
 def check_checkpoint(cfg: SpeculativeConfig, model_dir: str | Path) -> None:
     """Before a server binds its port: what the method needs from the checkpoint (and the draft's)
     is there - Medusa heads deep enough for tree_choices, a draft sharing the target's vocabulary, an
-    EAGLE head, a depth for LayerSkip to draft from. Raises ConfigError naming what is missing."""
+    EAGLE head, a depth for LayerSkip to draft from, MTP modules. Raises ConfigError naming what is missing."""
     d = Path(model_dir)
     if not (d / "config.json").is_file():
         return  # not a checkpoint: loading it says so
@@ -64,6 +67,8 @@ def check_checkpoint(cfg: SpeculativeConfig, model_dir: str | Path) -> None:
             raise ConfigError(str(e)) from None
     elif cfg.method == "eagle":
         check_eagle(d)
+    elif cfg.method == "mtp":
+        check_mtp(d)
     elif cfg.method == "medusa":
         if not (d / CONFIG_FILE).is_file():
             raise ConfigError(

@@ -10,7 +10,6 @@ it. Then a per-group clipping range is searched (AutoAWQ's auto_clip) for every 
 from __future__ import annotations
 
 import torch
-
 from baton.common.model import DecoderLayer
 from baton.serve.quantization.calibration import LayerRunner, collect_inputs
 from baton.serve.quantization.config import QuantConfig
@@ -19,6 +18,9 @@ from baton.serve.quantization.rtn import fake_quantize, pad_groups, rtn_linear
 from baton.serve.quantization.scaling import fold_scales, layer_linears, scale_groups, stacked_weight
 
 MAX_TOKENS = 4096  # calibration rows used by the searches (AutoAWQ uses a few thousand too)
+# Query and key projections (MLA's too: kv_a_proj_with_mqa makes the latent keys and the rope key)
+# are not clipped: their errors are amplified by the softmax.
+QUERY_KEY = ("q_proj", "k_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 def output_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, group_size: int) -> float:
@@ -76,6 +78,6 @@ def awq_layer(runner: LayerRunner, layer: DecoderLayer, qcfg: QuantConfig) -> No
         for n in group.linears:  # these linears now read x / s
             inputs[n] = inputs[n] / s
     for name, lin in names.items():
-        if qcfg.awq_clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
+        if qcfg.awq_clip and not name.endswith(QUERY_KEY):
             lin.weight.data.copy_(search_clip(inputs[name], lin.weight, qcfg.group_size))
         set_module(layer, name, rtn_linear(lin, "int4", qcfg.group_size))

@@ -5,7 +5,8 @@ Calibration samples come from the *training* split and evaluation (baton.serve.e
 equal the demo recipe's data settings (configs/demo.yaml), so the demo model is evaluated on text it
 never saw.
 Methods that calibrate (GPTQ, AWQ, SmoothQuant) quantize one decoder layer at a time: the inputs of
-layer i are the outputs of the already-quantized layers before it, as in the GPTQ paper.
+layer i are the outputs of the already-quantized layers before it, as in the GPTQ paper. DeepSeek-V3's
+MTP modules come after the last layer, fed from the quantized model's final hidden states.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 from baton.common.data import DataConfig, build_datasets
-from baton.common.model import CausalLM, DecoderLayer, DenseCausalAttention
-from baton.common.rope import rotary_cos_sin
+from baton.common.model import CausalLM, DecoderLayer, DenseCausalAttention, run_layers
+from baton.common.mtp import MTPLayer
 from baton.common.tokenizer import Tokenizer
+from baton.serve.quantization.linear import target_linears
 from torch import nn
 
 
@@ -55,11 +57,7 @@ def calibration_tokens(cfg: CalibrationConfig, tokenizer: Tokenizer) -> torch.Te
 
 def check_calibration_size(tokens: torch.Tensor, model: CausalLM) -> None:
     """Fewer tokens than a layer has inputs make its Hessian / channel statistics rank-deficient."""
-    need = max(
-        model.config.intermediate_size,
-        model.config.hidden_size,
-        model.config.num_attention_heads * model.config.head_dim,
-    )
+    need = max(lin.in_features for lin in target_linears(model).values())
     if tokens.numel() < need:
         raise CalibrationError(
             f"calibration set too small: {tokens.numel()} tokens, fewer than the {need} input "
@@ -74,21 +72,56 @@ class LayerRunner:
         p = model.model.embed_tokens.weight
         tokens = tokens.to(p.device)
         self.batch_size = batch_size
+        self.model, self.tokens = model, tokens
         with torch.no_grad():
             self.x = model.model.embed(tokens)  # (Gemma scales its embeddings)
-        positions = torch.arange(tokens.shape[1], device=p.device).expand(min(batch_size, len(tokens)), -1)
-        self.cos, self.sin = rotary_cos_sin(model.model.inv_freq.to(p.device), positions, p.dtype)
+        self.positions = torch.arange(tokens.shape[1], device=p.device).expand(min(batch_size, len(tokens)), -1)
+        self.inv_freq = model.model.inv_freq.to(p.device)
 
     @torch.no_grad()
     def run(self, layer: DecoderLayer) -> torch.Tensor:
-        """The layer's outputs for every sample, in batches (hooks on its modules see each batch)."""
+        """The layer's outputs for every sample, in batches (hooks on its modules see each batch), as
+        the model's own forward computes them (run_layers: the same rope, YaRN's factors included)."""
         attn = DenseCausalAttention()
         return torch.cat(
-            [layer(x, self.cos[: len(x)], self.sin[: len(x)], attn) for x in self.x.split(self.batch_size)]
+            [
+                run_layers([layer], x, self.positions[: len(x)], self.inv_freq, attn)
+                for x in self.x.split(self.batch_size)
+            ]
         )
 
     def advance(self, layer: DecoderLayer) -> None:
         self.x = self.run(layer)
+
+    def mtp(self) -> "MTPRunner":
+        """The runner of the MTP modules, once every decoder layer has advanced this one."""
+        with torch.no_grad():
+            return MTPRunner(self, self.model.model.final_norm(self.x))
+
+
+class MTPRunner:
+    """Feeds the calibration set through DeepSeek-V3's MTP modules in turn, as CausalLM.mtp_hidden
+    does: module k reads the previous depth's normed hidden state (depth 0: the main model's, after
+    its final norm) for the rows that have a next token, and the embedding of that token."""
+
+    def __init__(self, main: LayerRunner, hidden: torch.Tensor):
+        self.main, self.h = main, hidden  # [samples, rows, H], one row fewer per depth
+
+    @torch.no_grad()
+    def run(self, layer: MTPLayer) -> torch.Tensor:
+        m, bs, attn = self.main.model, self.main.batch_size, DenseCausalAttention()
+        rows, k = self.h.shape[1] - 1, layer.index + 1
+        positions, next_ids = self.main.positions[:, :rows], self.main.tokens[:, k:]
+        return torch.cat(
+            [
+                layer(h[:, :rows], ids, positions[: len(h)], attn, m.model.embed, self.main.inv_freq)
+                for h, ids in zip(self.h.split(bs), next_ids.split(bs))
+            ]
+        )
+
+    def advance(self, layer: MTPLayer) -> None:
+        with torch.no_grad():
+            self.h = layer.norm_output(self.run(layer))
 
 
 @contextlib.contextmanager

@@ -12,8 +12,10 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from baton.common.mla import MLAttention
 from baton.common.model import CausalLM
 from baton.common.moe import MoE
+from baton.common.mtp import SharedHead
 from baton.kernels import fp8_weight_matmul, int4_weight_matmul, int8_weight_matmul, quantize_per_token, w8a8_matmul
 from baton.kernels.reference import dequantize_int4
 from torch import nn
@@ -145,27 +147,46 @@ def quantized_like(linear: nn.Linear, fmt: str, group_size: int = 128, **tensors
 
 
 def routers(module: nn.Module) -> set[int]:
-    """ids of the MoE routers in `module` (Mixtral's and Qwen3-MoE's `gate`, gpt-oss's `router`)."""
+    """ids of the MoE routers in `module` and of everything inside them: Mixtral's and Qwen3-MoE's
+    `gate` (an nn.Linear), DeepSeek-V3's `gate` (whatever module holds its [E, H] weight and its
+    score-correction bias) and gpt-oss's `router`."""
     found = set()
     for m in module.modules():
         if isinstance(m, MoE):
-            router = getattr(m, "router", None) or getattr(m, "gate", None)
-            if router is not None:
-                found.add(id(router))
+            for name in ("router", "gate"):
+                router = getattr(m, name, None)
+                if isinstance(router, nn.Module):
+                    found.update(id(r) for r in router.modules())
     return found
+
+
+def absorbed_linears(module: nn.Module) -> set[int]:
+    """ids of MLA's kv_b_proj under `module`. It stays float: the latent backend multiplies queries and
+    outputs by per-head slices of its weight (MLAttention.w_uk / w_uv, weight absorption), which no
+    quantized [out, in] kernel computes, so a quantized copy would be dequantized again at load, as vLLM
+    does (it saves no serving memory, only adds rounding error). It is small: kv_lora_rank x heads x
+    (qk_nope + v) = 16.8M of DeepSeek-V3's ~11B parameters per MoE layer (0.15% of the model)."""
+    return {id(m.kv_b_proj) for m in module.modules() if isinstance(m, MLAttention)}
 
 
 def quantizable_linears(module: nn.Module) -> dict[str, nn.Linear]:
     """The projections under `module` (names relative to it) that are quantized: every nn.Linear but
-    the MoE routers, which stay float (tiny, and they steer the routing). Norms, gpt-oss's sinks and its
-    stacked experts (parameters, not linears: see quantize.py) are not linears and stay float too."""
-    skip = routers(module)
+    the MoE routers, which stay float (tiny, and they steer the routing), MLA's kv_b_proj
+    (absorbed_linears) and an MTP module's copy of the LM head (float like lm_head). Norms, gpt-oss's
+    sinks and its stacked experts (parameters, not linears: see quantize.py) and DeepSeek-V3's
+    score-correction bias are not linears and stay float too."""
+    skip = routers(module) | absorbed_linears(module)
+    skip |= {id(m.head) for m in module.modules() if isinstance(m, SharedHead) and m.head is not None}
     return {n: m for n, m in module.named_modules() if isinstance(m, nn.Linear) and id(m) not in skip}
 
 
 def target_linears(model: CausalLM) -> dict[str, nn.Linear]:
-    """The decoder layers' quantized projections (quantizable_linears), by their model names."""
-    return {f"model.layers.{name}": m for name, m in quantizable_linears(model.model.layers).items()}
+    """The quantized projections (quantizable_linears) of the decoder layers and of DeepSeek-V3's MTP
+    modules (their eh_proj and block: a draft as large as a layer, quantized like one), by model names."""
+    out = {f"model.layers.{name}": m for name, m in quantizable_linears(model.model.layers).items()}
+    if getattr(model, "mtp", None) is not None:
+        out.update({f"mtp.{name}": m for name, m in quantizable_linears(model.mtp).items()})
+    return out
 
 
 def set_module(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-
 from baton.common.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     FORMAT_VERSION,
@@ -26,6 +26,7 @@ from baton.common.checkpoint import (
     atomic_directory,
     load_checkpoint,
     load_state_dict,
+    mtp_copy_names,
     read_config,
     read_metadata,
     sha256_file,
@@ -33,7 +34,9 @@ from baton.common.checkpoint import (
     write_weights,
 )
 from baton.common.hf import config_to_hf
+from baton.common.mla import MLAttention
 from baton.common.model import CausalLM
+from baton.common.mtp import module_name, mtp_layer_of
 from baton.serve.quantization.config import QuantConfig
 from baton.serve.quantization.linear import FORMATS, set_compute_dtype, set_module, target_linears
 
@@ -44,6 +47,15 @@ def quantization_config(directory: str | Path) -> dict[str, Any] | None:
     if not path.is_file():
         raise CheckpointError(f"{directory} is not a checkpoint: it has no config.json")
     return json.loads(path.read_text()).get("quantization_config")
+
+
+def quantization_block(model: CausalLM, qcfg: QuantConfig) -> dict[str, Any]:
+    """config.json's quantization_config; modules_to_not_convert names MLA's float kv_b_proj where the
+    model has one (linear.absorbed_linears says why it stays float)."""
+    block = qcfg.to_hf()
+    if any(isinstance(m, MLAttention) for m in model.modules()):
+        block["modules_to_not_convert"].append("kv_b_proj")
+    return block
 
 
 def save_quantized(
@@ -58,7 +70,7 @@ def save_quantized(
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         cfg = config_to_hf(model.config)
-        cfg["quantization_config"] = qcfg.to_hf()
+        cfg["quantization_config"] = quantization_block(model, qcfg)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         files = write_weights(tmp, state, DEFAULT_MAX_SHARD_BYTES)
         if tokenizer_dir is not None:
@@ -72,7 +84,7 @@ def save_quantized(
             "producer": "baton quantize",
             "created_unix": time.time(),
             "dtype": model.config.torch_dtype,
-            "quantization": qcfg.to_hf(),
+            "quantization": quantization_block(model, qcfg),
             "sha256": {name: sha256_file(tmp / name) for name in sorted(files)},
             **(extra or {}),
         }
@@ -80,10 +92,14 @@ def save_quantized(
     return out_dir
 
 
-def quantized_skeleton(config, qcfg: QuantConfig) -> CausalLM:
-    """A meta-device model in the config's dtype with empty quantized modules in place."""
+def quantized_skeleton(config, qcfg: QuantConfig, mtp_copies: Iterable[str] = ()) -> CausalLM:
+    """A meta-device model in the config's dtype with empty quantized modules in place; `mtp_copies`:
+    the checkpoint names of the MTP modules' own embedding/head copies it holds (common/mtp.py)."""
     with torch.device("meta"):
-        model = CausalLM(config).to(config.dtype)
+        model = CausalLM(config)
+        for name in mtp_copies:
+            model.mtp[mtp_layer_of(name, config.num_hidden_layers)].add_copy(name.split(".", 3)[3])
+        model = model.to(config.dtype)  # (before the swap: the quantized modules' scales stay fp32)
         for name, lin in target_linears(model).items():
             set_module(
                 model,
@@ -103,7 +119,7 @@ def load_quantized(
     if verify:
         verify_hashes(d)
     state = load_state_dict(d)
-    model = quantized_skeleton(config, qcfg)
+    model = quantized_skeleton(config, qcfg, sorted(mtp_copy_names(config) & set(state)))
     expected = model.checkpoint_state_dict()
     for name, want in expected.items():
         got = state.get(name)
@@ -119,7 +135,8 @@ def load_quantized(
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} not in the quantized model the config describes")
     # Fresh (64-byte aligned) copies: torch's CPU int8 GEMM with bf16 activations reads the weight
     # with aligned vector loads and crashes on a tensor at an arbitrary offset in a safetensors file.
-    model.load_state_dict({k: state[k].clone() for k in expected}, strict=False, assign=True)
+    n = config.num_hidden_layers  # (module_name: DeepSeek-V3's MTP tensors are model.layers.{n + k}.* on disk)
+    model.load_state_dict({module_name(k, n): state[k].clone() for k in expected}, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device)

@@ -25,10 +25,12 @@ from baton.serve.quantization.gptq import gptq_layer
 from baton.serve.quantization.linear import QuantLinear, set_module, target_linears
 from baton.serve.quantization.loader import quantization_config, save_quantized
 from baton.serve.quantization.rtn import rtn_linear
+from baton.serve.quantization.scaling import scale_groups
 from baton.serve.quantization.smoothquant import smoothquant_layer
 
 log = logging.getLogger(__name__)
 LAYER_STEPS = {"gptq": gptq_layer, "awq": awq_layer, "smoothquant": smoothquant_layer}
+SCALED = ("awq", "smoothquant")  # the methods that fold scales into the layers (scaling.scale_groups)
 
 
 def is_quantized(model: CausalLM) -> bool:
@@ -67,6 +69,10 @@ def quantize_model(model: CausalLM, qcfg: QuantConfig, tokens: torch.Tensor | No
     if tokens is None:
         raise CalibrationError(f"{qcfg.method} needs calibration tokens")
     check_calibration_size(tokens, model)
+    mtp = list(model.mtp) if getattr(model, "mtp", None) is not None else []
+    if qcfg.method in SCALED:  # refuses a MoE layer anywhere before the layers ahead of it are touched
+        for layer in [*model.model.layers, *mtp]:
+            scale_groups(layer)
     model.eval()
     runner = LayerRunner(model, tokens)
     step = LAYER_STEPS[qcfg.method]
@@ -74,6 +80,12 @@ def quantize_model(model: CausalLM, qcfg: QuantConfig, tokens: torch.Tensor | No
         step(runner, layer, qcfg)
         runner.advance(layer)
         log.info("%s: quantized layer %d/%d", qcfg.method, i + 1, len(model.model.layers))
+    if mtp:
+        mtp_runner = runner.mtp()
+        for layer in mtp:
+            step(mtp_runner, layer, qcfg)
+            mtp_runner.advance(layer)
+        log.info("%s: quantized the %d MTP module(s)", qcfg.method, len(mtp))
     return model
 
 
@@ -90,7 +102,8 @@ def quantize_checkpoint(
             f"{src} is already quantized ({quantization_config(src).get('format')}); "
             "quantize its float checkpoint instead"
         )
-    if qcfg.method in ("awq", "smoothquant") and read_config(src).num_local_experts > 0:
+    cfg = read_config(src)
+    if qcfg.method in SCALED and any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         raise ValueError(f"{qcfg.method} supports dense (non-MoE) models; use gptq or rtn for MoE models")
     tokenizer = None
     if qcfg.needs_calibration:

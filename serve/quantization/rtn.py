@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from baton.kernels.quant import (
     pack_int4,
     quantize_fp8_per_channel,
@@ -19,6 +17,7 @@ from baton.kernels.quant import (
     round_half_away,
 )
 from baton.serve.quantization.linear import QuantLinear, quantized_like
+from torch import nn
 
 
 def pad_groups(w: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -7,7 +7,6 @@ suits all)."""
 from __future__ import annotations
 
 import torch
-
 from baton.common.model import DecoderLayer
 from baton.kernels import quantize_per_token, smoothquant_scales
 from baton.serve.quantization.calibration import LayerRunner, collect_inputs

@@ -79,7 +79,13 @@ RULES: list[Rule] = [
         "CALM early exit fills the skipped layers' per-head K/V, not the latent cache",
         "mla",
     ),
-    # Hybrids (Mamba2 + attention): what the recurrent-state slots cannot do yet.
+    # Hybrids (recurrent mixers + attention): what the recurrent-state slots cannot do yet.
+    Rule(
+        lambda s: _hybrid(s) and s.model.mixer == "gated_deltanet",
+        "its Gated DeltaNet layers are not served yet: the state pool holds Mamba2 states only (training, "
+        "HF interop and `baton convert` work; serving is the next step of issue 44)",
+        "hybrid",
+    ),
     Rule(
         lambda s: _hybrid(s) and s.config.parallel.world_size > 1,
         "tensor/pipeline parallel serving is not supported for it: the sharded workers hold KV pools only, "
@@ -105,6 +111,11 @@ RULES: list[Rule] = [
         ),
         "hybrid",
     ),
+    Rule(
+        lambda s: s.config.speculative is not None and s.config.speculative.method == "mtp" and s.sharded,
+        "--speculative mtp runs the MTP modules on the engine's own model in this process: not with "
+        "tensor/pipeline parallel serving yet (serve it with tp = pp = 1)",
+    ),
     # CALM confidence early exit (serve/runner/early_exit.py).
     Rule(
         lambda s: _early_exit(s) and s.model is not None and not s.model.early_exit_layers,
@@ -113,7 +124,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         lambda s: _early_exit(s) and _hybrid(s),
-        "a hybrid (Mamba2) model: its mixer layers have no K/V to fill",
+        "a hybrid (recurrent-mixer) model: its mixer layers have no K/V to fill",
         "early_exit",
     ),
     Rule(
@@ -148,7 +159,7 @@ def check(config: EngineConfig, model: ModelConfig | None, sharded: bool | None 
             continue
         why = rule.why(s) if callable(rule.why) else rule.why
         if rule.kind == "hybrid":
-            raise ConfigError(f"model_type {s.model.model_type!r} (Mamba2 + attention hybrid): {why}")
+            raise ConfigError(f"model_type {s.model.model_type!r} ({s.model.mixer} + attention hybrid): {why}")
         if rule.kind == "mla":
             raise ConfigError(f"model_type {s.model.model_type!r} (multi-head latent attention): {why}")
         if rule.kind == "early_exit":

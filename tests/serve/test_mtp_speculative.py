@@ -268,3 +268,14 @@ def test_a_checkpoint_without_mtp_weights_is_refused(models, tmp_path, capsys):
     check_checkpoint(SpeculativeConfig("mtp"), d / "one")  # (one that has them passes)
     with pytest.raises(ValueError, match="token trees .* not 'mtp'"):
         SpeculativeConfig("mtp", tree_width=2).validate()
+
+
+def test_mtp_with_a_sharded_model_is_refused_before_any_worker_starts():
+    """The proposer runs beside the engine's own model: rules.py refuses tp/pp before the spawn."""
+    from baton.serve.engine.rules import check
+
+    cfg = ModelConfig(**{**CFG, "num_nextn_predict_layers": 1})
+    config = EngineConfig(num_kv_blocks=8, speculative=SpeculativeConfig("mtp", 2))
+    check(config, cfg, sharded=False)  # (alone it is fine)
+    with pytest.raises(ValueError, match="--speculative mtp .* not with tensor/pipeline parallel"):
+        check(config, cfg, sharded=True)

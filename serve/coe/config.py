@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-
 from baton.common.checkpoint import read_config
 from baton.common.config import ConfigError
 from baton.common.router import read_router_config
@@ -60,10 +59,13 @@ class CoEConfig:
 
 
 def kv_bytes_per_token(checkpoint: str | Path) -> int:
-    """K and V of every layer for one token, in the checkpoint's dtype."""
+    """What the KV cache holds for one token over every attention layer, in the checkpoint's dtype:
+    K and V per KV head, or an MLA layer's one latent row (kv_lora_rank + qk_rope_head_dim)."""
     cfg = read_config(checkpoint)
     elem = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(cfg.dtype).removeprefix("torch."), 4)
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+    layers = sum(cfg.is_attention_layer(i) for i in range(cfg.num_hidden_layers))
+    per_layer = cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.is_mla else 2 * cfg.num_key_value_heads * cfg.head_dim
+    return layers * per_layer * elem
 
 
 def check_expert(spec: ExpertSpec, taken: set[str], coe_name: str) -> None:

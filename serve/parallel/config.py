@@ -73,10 +73,14 @@ class ParallelConfig:
                 f"tensor_parallel_size {t} does not divide the experts' intermediate size "
                 f"{cfg.expert_intermediate_size} (or use moe_parallel='expert' when it divides the {experts} experts)"
             )
+        shared = (cfg.expert_intermediate_size * (cfg.n_shared_experts or 0)) if moe_layers else 0
+        if shared % t:  # (DeepSeek-V3's shared experts are cut like a dense MLP in both MoE modes)
+            raise ValueError(f"tensor_parallel_size {t} does not divide the shared experts' width {shared}")
         if p > cfg.num_hidden_layers:
             raise ValueError(f"pipeline_parallel_size {p} is more than the model's {cfg.num_hidden_layers} layers")
         if group_size and t > 1:  # a row-parallel shard must hold whole int4 quantization groups
-            widths = [("attention output", heads * cfg.head_dim)]
+            # (an MLA layer's o_proj reads v_head_dim per head; head_dim is its rope width)
+            widths = [("attention output", heads * (cfg.v_head_dim if cfg.is_mla else cfg.head_dim))]
             if dense:
                 widths.append(("MLP", cfg.intermediate_size))
             # Whole experts per rank are not split; gpt-oss's stacked experts stay in float (quantize.py).

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from baton.common.checkpoint import read_config
 from baton.common.config import ConfigError
 from baton.common.hf import import_hf
 from baton.serve.engine import EngineConfig, LLMEngine
@@ -263,3 +264,17 @@ def test_what_the_latent_cache_cannot_do_is_refused(deepseek, change, words):
     cfg = dataclasses.replace(EngineConfig(num_kv_blocks=16, block_size=8), **change)
     with pytest.raises(ConfigError, match=f"multi-head latent attention.*{words}"):
         LLMEngine.from_checkpoint(ckpt, cfg)
+
+
+def test_routers_and_layouts_size_mla_by_its_latent_row(deepseek):
+    """The CoE router's KV estimate and the parallel layout check read MLA's own widths."""
+    from baton.serve.coe.config import kv_bytes_per_token
+    from baton.serve.parallel.config import ParallelConfig
+
+    _, _, ckpt, _ = deepseek
+    m = read_config(ckpt)
+    assert kv_bytes_per_token(ckpt) == m.num_hidden_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
+    # o_proj's input is heads * v_head_dim (head_dim is MLA's rope width): the int4 check names that width
+    width = m.num_attention_heads * m.v_head_dim
+    with pytest.raises(ValueError, match=rf"attention output input \({width}\) split 2 ways"):
+        ParallelConfig(tensor_parallel_size=2).check_model(m, group_size=width)

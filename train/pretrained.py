@@ -52,6 +52,10 @@ class PretrainedWeights(Mapping[str, torch.Tensor]):
     def __init__(self, directory: str | Path, config: ModelConfig):
         self.directory, self.config = Path(directory), config
         self.slices = WeightSlices(directory)
+        # Qwen3.5's own (multimodal) checkpoints keep the text model under model.language_model.*
+        # beside the vision tower and mtp.* (neither is read; common.checkpoint.text_model_state).
+        nested = any(k.startswith("model.language_model.") for k in self.slices.files)
+        self.text_prefix = "model.language_model." if nested else "model."
         layers = config.num_hidden_layers
         self.shapes = {module_name(name, layers): shape for name, (shape, _) in expected_shapes(config).items()}
         for name, shape in self.shapes.items():
@@ -70,8 +74,9 @@ class PretrainedWeights(Mapping[str, torch.Tensor]):
 
     def _source(self, name: str) -> str:
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
-            return "model.embed_tokens.weight"
-        return checkpoint_name(name, self.config.num_hidden_layers)
+            name = "model.embed_tokens.weight"
+        source = checkpoint_name(name, self.config.num_hidden_layers)
+        return self.text_prefix + source.removeprefix("model.") if source.startswith("model.") else source
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.slices.read(self._source(name)).float()

@@ -169,7 +169,7 @@ def test_serve_help_lists_every_speculative_mode(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     text = "".join(capsys.readouterr().out.split())  # (argparse wraps lines, also at hyphens)
-    assert set(METHODS) == {"ngram", "draft", "medusa", "lookahead", "layerskip", "eagle"}
+    assert set(METHODS) == {"ngram", "draft", "medusa", "lookahead", "layerskip", "eagle", "mtp"}
     for method, words in METHOD_HELP.items():
         assert "".join(f"{method}: {words}".split()) in text, method
 

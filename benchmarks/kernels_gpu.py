@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -42,6 +40,9 @@ from baton.kernels import activation, kv_cache, quant, quant_matmul as qm, refer
 from baton.kernels import rmsnorm, rotary, w8a8  # noqa: E402
 from baton.kernels import flash_attention as fa, paged_attention as pa  # noqa: E402
 from baton.common.rope import inv_frequencies, rotary_cos_sin  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import median_ms  # noqa: E402, I001  (the script dir is on sys.path)
 
 LLAMA3 = {
     "rope_type": "llama3",
@@ -65,21 +66,7 @@ def size(gpu, smoke):
 
 def timeit(fn, iters: int = 20) -> float:
     """Median milliseconds of fn() (CUDA events on GPU, wall clock in smoke mode)."""
-    fn()
-    samples = []
-    for _ in range(size(iters, 1)):
-        if DEV.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return median_ms(fn, DEV, size(iters, 1))
 
 
 def check(name: str, got, want, tol: float | None = None) -> None:

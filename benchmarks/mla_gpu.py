@@ -25,10 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -37,9 +35,12 @@ if SMOKE:  # must precede the kernels' import: @triton.jit reads it when decorat
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from baton.kernels import mla_decode as md  # noqa: E402
 from baton.kernels import paged_attention as pa  # noqa: E402
 from baton.kernels import reference as ref  # noqa: E402
+from gpu_timing import median_ms  # noqa: E402  (the script dir is on sys.path)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() and not SMOKE else "cpu")
 TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 1e-4}  # max |err| / max |ref|
@@ -56,21 +57,7 @@ def size(gpu, smoke):
 
 def timeit(fn, iters: int = 20) -> float:
     """Median milliseconds of fn() (CUDA events on GPU, wall clock in smoke mode)."""
-    fn()
-    samples = []
-    for _ in range(size(iters, 1)):
-        if DEV.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return median_ms(fn, DEV, size(iters, 1))
 
 
 def check(name: str, got, want, tol: float) -> None:
